@@ -1,0 +1,37 @@
+"""Shared fixtures: the real models (loaded once per session) and a tiny random model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()
+hf_logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from cachegen.engine.models import load_model
+
+    return load_model("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    from cachegen.engine.models import load_model
+
+    return load_model("gemma3-270m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """A 2-layer random llama with GQA, for fast unit tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, max_position_embeddings=2048,
+    )
+    return LlamaForCausalLM(cfg).eval()
