@@ -1,0 +1,5 @@
+import sys
+
+from cachegen.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,298 @@
+"""The codec: KVCache <-> bytes, lossy (levels 1..7) or lossless (level 0).
+
+Lossy path per section (layer x K/V): the first ``n_sink`` tokens of the
+context (attention sink) are stored exactly; the rest go through the
+profile's transform (mean, per-head PCA basis), a uniform quantizer with a
+step per component (sensitivity-weighted per layer), and static rANS with the
+profile's tables, one stream per component. Lossless path: the raw bytes of
+each value, split into byte planes, rANS-coded with per-chunk tables.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from cachegen.codec import quant, rans
+from cachegen.codec.container import (
+    FORMAT_VERSION,
+    ChunkHeader,
+    LayerShape,
+    Reader,
+    pack_header,
+    parse_header,
+    section_bytes,
+)
+from cachegen.codec.profile import PRECISION, Profile, calibrate
+from cachegen.codec.transform import forward_section, inverse_section
+from cachegen.errors import CodecError, ConfigError, CorruptChunk, ProfileMismatch
+from cachegen.kv import KVCache, KVLayer
+
+LOSSLESS = 0
+
+
+def _bytes_view(x: torch.Tensor) -> np.ndarray:
+    """Raw bytes of a tensor as uint8 (no bf16 in numpy: go through int views)."""
+    x = x.contiguous()
+    if x.numel() == 0:
+        return np.empty((*x.shape, x.element_size()), dtype=np.uint8)
+    iv = {4: torch.int32, 2: torch.int16}[x.element_size()]
+    return x.view(iv).numpy().view(np.uint8)
+
+
+def _from_bytes(b: np.ndarray | memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    iv = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+    arr = np.frombuffer(b, dtype=np.uint8).copy()
+    if arr.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(arr).view(iv).view(dtype).reshape(shape)
+
+
+def _min_bits(tables: rans.Tables) -> float:
+    pmax = tables.freq.max(axis=1) / float(1 << tables.precision)
+    return float(-np.log2(pmax.max()))
+
+
+def _check_budget(n: int, streams: int, nwords: int, tables: rans.Tables, what: str) -> None:
+    """Refuse to allocate more symbols than the payload could possibly code."""
+    if n * streams * _min_bits(tables) > 16 * nwords + 64 * streams + 64:
+        raise CorruptChunk(f"{what}: symbol count inconsistent with payload size")
+
+
+class Codec:
+    """Encode/decode KV chunks. ``profile=None`` makes chunks carry their own tables."""
+
+    def __init__(self, profile: Profile | None = None, model_fingerprint: str = "", threads: int = 2):
+        self.profile = profile
+        self.model_fingerprint = model_fingerprint or (profile.model_fingerprint if profile else "")
+        if profile is not None and model_fingerprint and profile.model_fingerprint and model_fingerprint != profile.model_fingerprint:
+            raise ProfileMismatch(f"profile is for model {profile.model_fingerprint}, codec for {model_fingerprint}")
+        self.threads = max(1, int(threads))
+        self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+
+    def _map(self, fn, items):
+        return self._pool.map(fn, items) if self._pool else map(fn, items)
+
+    # -- encode ----------------------------------------------------------------
+    def encode(self, kv: KVCache, level: int) -> bytes:
+        dtype = kv.dtype
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ConfigError(f"unsupported dtype {dtype}")
+        if any(l.k.dtype != dtype or l.v.dtype != dtype for l in kv.layers):
+            raise ConfigError("all layers must share one dtype")
+        layers = tuple(LayerShape(l.kind, l.window, int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in kv.layers)
+        xs = [t for l in kv.layers for t in (l.k, l.v)]
+        inline: bytes | None = None
+        pid = ""
+        if level == LOSSLESS:
+            sink = 0
+            bodies = list(self._map(_encode_lossless, xs))
+        else:
+            if self.profile is not None:
+                prof = self.profile
+                prof.check_layout(kv)
+                if level not in prof.levels:
+                    raise ConfigError(f"level {level} not in the profile (has {sorted(prof.levels)})")
+                pid = prof.id
+            else:
+                if level not in quant_levels():
+                    raise ConfigError(f"unknown level {level}; lossy levels are {quant_levels()}")
+                prof = calibrate([kv], self.model_fingerprint, use_pca=False, levels=[level], n_sink=4)
+                inline = prof.to_bytes()
+            for x in xs:
+                if not torch.isfinite(x).all():
+                    raise CodecError("lossy levels need finite values (use level 0 for NaN/inf)")
+            sink = max(0, min(kv.num_tokens, prof.n_sink - kv.start))
+            lp = prof.levels[level]
+            tables, cls = lp.tables(), lp.classes(prof.sections)
+            jobs = [(x, prof.sections[i], lp.steps[i], cls[i], tables, sink) for i, x in enumerate(xs)]
+            bodies = list(self._map(_encode_lossy, jobs))
+        secs = ([inline] if inline is not None else []) + bodies
+        h = ChunkHeader(
+            FORMAT_VERSION, self.model_fingerprint, pid, level, kv.start, kv.num_tokens, dtype, layers, sink,
+            inline is not None, tuple(len(s) for s in secs), tuple(zlib.crc32(s) for s in secs), 0,
+        )
+        return pack_header(h) + b"".join(secs)
+
+    # -- decode ----------------------------------------------------------------
+    def peek(self, data: bytes) -> ChunkHeader:
+        """The chunk's header (validated), without decoding the payload."""
+        return parse_header(data)
+
+    def _profile_for(self, data: bytes, h: ChunkHeader) -> Profile | None:
+        if self.model_fingerprint and h.model_fingerprint and self.model_fingerprint != h.model_fingerprint:
+            raise ProfileMismatch(f"chunk is for model {h.model_fingerprint}, this codec for {self.model_fingerprint}")
+        if h.level == LOSSLESS:
+            if h.inline_profile or h.profile_id:
+                raise CorruptChunk("lossless chunk names a profile")
+            return None
+        if h.inline_profile:
+            prof = Profile.from_bytes(section_bytes(data, h, 0))
+            if h.level not in prof.levels:
+                raise CorruptChunk("inline profile lacks the chunk's level")
+        else:
+            if not h.profile_id:
+                raise CorruptChunk("lossy chunk names no profile")
+            if self.profile is None:
+                raise ProfileMismatch(f"chunk was encoded with profile {h.profile_id}; pass that profile to Codec()")
+            if self.profile.id != h.profile_id:
+                raise ProfileMismatch(f"chunk needs profile {h.profile_id}, this codec has {self.profile.id}")
+            prof = self.profile
+            if h.level not in prof.levels:
+                raise CorruptChunk(f"level {h.level} not in the profile")
+        dims = [(l.heads, l.k_dim, l.v_dim) for l in h.layers]
+        if dims != [tuple(d) for d in prof.layer_dims]:
+            raise CorruptChunk("chunk layout does not match its profile")
+        if h.sink_tokens != max(0, min(h.num_tokens, prof.n_sink - h.start)):
+            raise CorruptChunk("sink token count inconsistent")
+        return prof
+
+    def decode_layers(self, data: bytes) -> Iterator[tuple[int, KVLayer]]:
+        """Yield ``(layer_index, KVLayer)`` in order as sections are decoded."""
+        h = parse_header(data)
+        prof = self._profile_for(data, h)
+        first = 1 if h.inline_profile else 0
+        jobs = []
+        for i in range(2 * len(h.layers)):
+            l = h.layers[i // 2]
+            d = l.k_dim if i % 2 == 0 else l.v_dim
+            jobs.append((data, h, first + i, l.heads, d, i, prof))
+        results = self._map(_decode_section_job, jobs)
+        it = iter(results)
+        for li, l in enumerate(h.layers):
+            k = next(it)
+            v = next(it)
+            yield li, KVLayer(k, v, l.kind, l.window)
+
+    def decode(self, data: bytes) -> KVCache:
+        h = parse_header(data)
+        layers = [l for _, l in self.decode_layers(data)]
+        return KVCache(layers, start=h.start, meta={"model_fingerprint": h.model_fingerprint})
+
+    def close(self) -> None:
+        if self._pool:
+            self._pool.shutdown()
+
+    def __del__(self) -> None:  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def quant_levels() -> tuple[int, ...]:
+    from cachegen.codec.profile import LEVELS
+
+    return LEVELS
+
+
+# -- section bodies ---------------------------------------------------------------
+
+
+def _encode_lossy(job) -> bytes:
+    x, sp, step, cls, tables, sink = job
+    h, t, d = x.shape
+    sink_raw = _bytes_view(x[:, :sink]).tobytes() if sink else b""
+    y = forward_section(sp, x[:, sink:])
+    sym = np.empty(y.shape, dtype=np.uint8)
+    esc = np.empty(y.size + 1, dtype=np.int32)
+    n_esc = quant.quantize(y, (np.float32(1.0) / step).astype(np.float32), cls, tables.freq, sym, esc)
+    words, lengths = rans.encode_columns(sym, cls, tables, check=False)
+    return b"".join(
+        [
+            struct.pack("<I", len(sink_raw)), sink_raw,
+            struct.pack("<I", n_esc), esc[:n_esc].astype("<i4").tobytes(),
+            lengths.astype("<u4").tobytes(), words.astype("<u2").tobytes(),
+        ]
+    )
+
+
+def _lossless_tables(plane: np.ndarray) -> np.ndarray:
+    counts = np.bincount(plane.ravel(), minlength=256).astype(np.float64)
+    if (counts > 0).sum() < 2:  # keep every probability < 1 (bounds hostile symbol counts)
+        counts[0 if counts[0] == 0 else 1] = 1e-9 * max(1.0, counts.sum())
+    return rans.quantize_counts(counts, PRECISION)
+
+
+def _encode_lossless(x: torch.Tensor) -> bytes:
+    h, t, d = x.shape
+    raw = _bytes_view(x.permute(1, 0, 2)).reshape(t, h * d, x.element_size())
+    out = [struct.pack("<B", x.element_size())]
+    for b in range(x.element_size()):
+        plane = np.ascontiguousarray(raw[:, :, b])
+        freqs = _lossless_tables(plane)
+        tables = rans.Tables.build([rans.Categorical(freqs, PRECISION)])
+        words, lengths = rans.encode_columns(plane, np.zeros(h * d, dtype=np.int64), tables, check=False)
+        out += [freqs.astype("<u2").tobytes(), struct.pack("<I", words.size), lengths.astype("<u4").tobytes(), words.astype("<u2").tobytes()]
+    return b"".join(out)
+
+
+def _decode_section_job(job) -> torch.Tensor:
+    data, h, si, heads, d, i, prof = job
+    mv = section_bytes(data, h, si)
+    if prof is None:
+        return _decode_lossless(mv, h, heads, d, i)
+    return _decode_lossy(mv, h, heads, d, i, prof)
+
+
+def _decode_lossless(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int) -> torch.Tensor:
+    r = Reader(mv, f"section {i}")
+    t, c = h.num_tokens, heads * d
+    size = struct.unpack("<B", r.take(1))[0]
+    if size != torch.empty((), dtype=h.dtype).element_size():
+        raise CorruptChunk(f"section {i}: element size mismatch")
+    raw = np.empty((t, c, size), dtype=np.uint8)
+    for b in range(size):
+        freqs = np.frombuffer(r.take(512), dtype="<u2").astype(np.int64)
+        if int(freqs.sum()) != 1 << PRECISION:
+            raise CorruptChunk(f"section {i}: bad lossless table")
+        tables = rans.Tables.build([rans.Categorical(freqs, PRECISION)])
+        nw = r.u32()
+        lengths = np.frombuffer(r.take(4 * c), dtype="<u4").astype(np.int64)
+        words = np.frombuffer(r.take(2 * nw), dtype="<u2").astype(np.uint16)
+        _check_budget(t, c, nw, tables, f"section {i}")
+        raw[:, :, b] = rans.decode_columns(words, lengths, t, np.zeros(c, dtype=np.int64), tables)
+    if r.p != len(mv):
+        raise CorruptChunk(f"section {i}: trailing bytes")
+    x = _from_bytes(raw.reshape(-1), (t, heads, d), h.dtype)
+    return x.permute(1, 0, 2).contiguous()
+
+
+def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, prof: Profile) -> torch.Tensor:
+    r = Reader(mv, f"section {i}")
+    sp = prof.sections[i]
+    lp = prof.levels[h.level]
+    tables, cls = lp.tables(), lp.classes(prof.sections)[i]
+    sink = h.sink_tokens
+    t, c = h.num_tokens - sink, heads * d
+    itemsize = torch.empty((), dtype=h.dtype).element_size()
+    n_sink_bytes = r.u32()
+    if n_sink_bytes != heads * sink * d * itemsize:
+        raise CorruptChunk(f"section {i}: sink size mismatch")
+    sink_raw = r.take(n_sink_bytes)
+    n_esc = r.u32()
+    if n_esc > t * c:
+        raise CorruptChunk(f"section {i}: escape count out of range")
+    esc = np.zeros(n_esc + 1, dtype=np.int32)
+    esc[:n_esc] = np.frombuffer(r.take(4 * n_esc), dtype="<i4")
+    lengths = np.frombuffer(r.take(4 * c), dtype="<u4").astype(np.int64)
+    wb = r.rest()
+    if len(wb) % 2:
+        raise CorruptChunk(f"section {i}: odd word payload")
+    words = np.frombuffer(wb, dtype="<u2").astype(np.uint16)
+    _check_budget(t, c, words.size, tables, f"section {i}")
+    sym = rans.decode_columns(words, lengths, t, cls, tables)
+    y = np.empty((t, c), dtype=np.float32)
+    used = quant.dequantize(sym, lp.steps[i], esc, n_esc, y)
+    if used != n_esc:
+        raise CorruptChunk(f"section {i}: {used} escapes in the stream, {n_esc} stored")
+    x = inverse_section(sp, y, heads, d, h.dtype)
+    if sink:
+        xs = _from_bytes(sink_raw, (heads, sink, d), h.dtype)
+        x = torch.cat([xs, x], dim=1)
+    return x

@@ -1,0 +1,324 @@
+"""Model profile ("codebook"): per-layer transforms, steps and rANS tables, calibrated once.
+
+Why: tables sent inside every chunk cost ~2 bits/value (CacheGen as
+released); tables profiled once per model generalize to other text. A chunk
+names its profile by content hash (:attr:`Profile.id`) instead of carrying it.
+
+One profile holds every lossy level. Per section (layer x K/V, index
+``2*layer + (0 for K, 1 for V)``) it stores the mean and an optional
+orthonormal per-head basis (PCA on calibration text), the std of each basis
+component, and per level a step per component; the rANS table of a component
+is chosen by its std/step ratio (:func:`cachegen.codec.quant.classes_for`),
+so a level needs only :data:`~cachegen.codec.quant.N_CLASSES` tables.
+
+Serialization is a small JSON header plus raw little-endian arrays (no
+pickle), checked on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from cachegen.codec import quant
+from cachegen.codec.rans import Categorical, Tables
+from cachegen.errors import CodecError, ConfigError, CorruptChunk, FormatVersionError
+from cachegen.kv import KVCache
+
+PROFILE_MAGIC = b"CGPF"
+PROFILE_VERSION = 1
+PRECISION = 12
+DEFAULT_SINK = 4
+LEVELS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
+# target KL (nats/token) per level when calibrated with model sensitivities
+KL_TARGETS = {1: 2e-4, 2: 6e-4, 3: 1.2e-3, 4: 2.5e-3, 5: 6e-3, 6: 2e-2, 7: 6e-2}
+# step relative to the section RMS when calibrated without a model
+REL_STEPS = {1: 0.01, 2: 0.02, 3: 0.035, 4: 0.06, 5: 0.1, 6: 0.18, 7: 0.3}
+_MAX_JSON = 1 << 20
+_DTYPES = {"f4": np.float32, "u1": np.uint8, "u2": np.uint16, "i8": np.int64}
+
+
+@dataclass
+class SectionParams:
+    """Transform of one (layer, K/V) section: ``y = (x - mean) @ basis`` per head."""
+
+    heads: int
+    dim: int
+    mean: np.ndarray  # (heads*dim,) float32
+    std: np.ndarray  # (heads*dim,) float32, std of each basis component
+    basis: np.ndarray | None = None  # (heads, dim, dim) float32 orthonormal, or None (identity)
+
+
+@dataclass
+class LevelParams:
+    steps: list[np.ndarray]  # per section, (C,) float32
+    freqs: np.ndarray  # (N_CLASSES, ALPHABET) int64, sum 2**PRECISION each
+    _tables: Tables | None = field(default=None, repr=False, compare=False)
+    _cls: list[np.ndarray] | None = field(default=None, repr=False, compare=False)
+
+    def tables(self) -> Tables:
+        if self._tables is None:
+            self._tables = Tables.build([Categorical(f, PRECISION) for f in self.freqs])
+        return self._tables
+
+    def classes(self, sections: Sequence[SectionParams]) -> list[np.ndarray]:
+        if self._cls is None:
+            self._cls = [quant.classes_for(s.std, st) for s, st in zip(sections, self.steps)]
+        return self._cls
+
+
+@dataclass
+class Profile:
+    model_fingerprint: str
+    layer_dims: list[tuple[int, int, int]]  # (kv_heads, k_dim, v_dim) per layer
+    sections: list[SectionParams]
+    levels: dict[int, LevelParams]
+    n_sink: int = DEFAULT_SINK
+    meta: dict = field(default_factory=dict)
+    _bytes: bytes | None = field(default=None, repr=False, compare=False)
+
+    # -- identity --------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        """Hex content hash (32 hex digits) of the serialized profile."""
+        return hashlib.sha256(self.to_bytes()).hexdigest()[:32]
+
+    @property
+    def id_bytes(self) -> bytes:
+        return bytes.fromhex(self.id)
+
+    # -- serialization -----------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        if self._bytes is not None:
+            return self._bytes
+        arrays: list[tuple[str, np.ndarray]] = []
+        for i, s in enumerate(self.sections):
+            arrays.append((f"mean/{i}", s.mean.astype("<f4")))
+            arrays.append((f"std/{i}", s.std.astype("<f4")))
+            if s.basis is not None:
+                arrays.append((f"basis/{i}", s.basis.astype("<f4")))
+        for lv in sorted(self.levels):
+            p = self.levels[lv]
+            arrays.append((f"freqs/{lv}", p.freqs.astype("<u2")))
+            for i, st in enumerate(p.steps):
+                arrays.append((f"step/{lv}/{i}", st.astype("<f4")))
+        index, blobs, off = [], [], 0
+        for name, a in arrays:
+            b = np.ascontiguousarray(a).tobytes()
+            index.append([name, a.dtype.str[1:], list(a.shape), off, len(b)])
+            blobs.append(b)
+            off += len(b)
+        hdr = {
+            "model_fingerprint": self.model_fingerprint,
+            "layer_dims": [list(d) for d in self.layer_dims],
+            "n_sink": self.n_sink,
+            "precision": PRECISION,
+            "levels": sorted(self.levels),
+            "meta": self.meta,
+            "arrays": index,
+        }
+        js = json.dumps(hdr, sort_keys=True, separators=(",", ":")).encode()
+        self._bytes = PROFILE_MAGIC + struct.pack("<HI", PROFILE_VERSION, len(js)) + js + b"".join(blobs)
+        return self._bytes
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Profile":
+        """Parse and validate; raises CorruptChunk (or FormatVersionError) on bad input."""
+        mv = memoryview(bytes(data))
+        if len(mv) < 10 or bytes(mv[:4]) != PROFILE_MAGIC:
+            raise CorruptChunk("not a cachegen profile (bad magic)")
+        version, jlen = struct.unpack_from("<HI", mv, 4)
+        if version != PROFILE_VERSION:
+            raise FormatVersionError(f"profile format version {version}, this cachegen reads {PROFILE_VERSION}")
+        if jlen > _MAX_JSON or 10 + jlen > len(mv):
+            raise CorruptChunk("profile header length out of range")
+        try:
+            hdr = json.loads(bytes(mv[10 : 10 + jlen]))
+            blob = mv[10 + jlen :]
+            arrays: dict[str, np.ndarray] = {}
+            for name, dt, shape, off, nb in hdr["arrays"]:
+                if dt not in _DTYPES or not isinstance(off, int) or not isinstance(nb, int) or off < 0 or off + nb > len(blob):
+                    raise CorruptChunk(f"profile array {name!r} out of bounds")
+                dtype = np.dtype(_DTYPES[dt]).newbyteorder("<")
+                if any((not isinstance(d, int)) or d < 0 for d in shape) or int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != nb:
+                    raise CorruptChunk(f"profile array {name!r} has a bad shape")
+                arrays[name] = np.frombuffer(blob, dtype=dtype, count=nb // dtype.itemsize, offset=off).reshape(shape).astype(dtype.newbyteorder("="))
+            if hdr["precision"] != PRECISION:
+                raise CorruptChunk("profile precision unsupported")
+            dims = [tuple(int(x) for x in d) for d in hdr["layer_dims"]]
+            if not dims or any(len(d) != 3 or min(d) <= 0 or max(d) > 1 << 14 for d in dims):
+                raise CorruptChunk("profile layer dims invalid")
+            sections = []
+            for i in range(2 * len(dims)):
+                h, dk, dv = dims[i // 2]
+                d = dk if i % 2 == 0 else dv
+                mean, std = arrays[f"mean/{i}"], arrays[f"std/{i}"]
+                basis = arrays.get(f"basis/{i}")
+                if mean.shape != (h * d,) or std.shape != (h * d,) or (basis is not None and basis.shape != (h, d, d)):
+                    raise CorruptChunk(f"profile section {i} has wrong shapes")
+                if not (np.isfinite(mean).all() and np.isfinite(std).all() and (basis is None or np.isfinite(basis).all())):
+                    raise CorruptChunk(f"profile section {i} holds non-finite values")
+                sections.append(SectionParams(h, d, mean, std, basis))
+            levels = {}
+            for lv in hdr["levels"]:
+                lv = int(lv)
+                freqs = arrays[f"freqs/{lv}"].astype(np.int64)
+                if freqs.shape != (quant.N_CLASSES, quant.ALPHABET) or (freqs.sum(axis=1) != 1 << PRECISION).any() or (freqs[:, quant.ESCAPE] < 1).any():
+                    raise CorruptChunk(f"profile level {lv} tables invalid")
+                steps = [arrays[f"step/{lv}/{i}"] for i in range(len(sections))]
+                for s, st in zip(sections, steps):
+                    if st.shape != s.mean.shape or not (np.isfinite(st).all() and (st > 0).all()):
+                        raise CorruptChunk(f"profile level {lv} steps invalid")
+                levels[lv] = LevelParams(steps, freqs)
+            prof = cls(str(hdr["model_fingerprint"]), dims, sections, levels, int(hdr["n_sink"]), dict(hdr.get("meta") or {}))
+            if not (0 <= prof.n_sink <= 1 << 16):
+                raise CorruptChunk("profile sink count invalid")
+        except CorruptChunk:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            raise CorruptChunk(f"profile structure invalid: {e}") from None
+        prof._bytes = bytes(mv)
+        return prof
+
+    def save(self, path: str | Path) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_bytes(self.to_bytes())
+        tmp.replace(p)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        return cls.from_bytes(Path(path).read_bytes())
+
+    # -- helpers ------------------------------------------------------------------
+    def check_layout(self, kv: KVCache) -> None:
+        dims = [(l.k.shape[0], l.k.shape[2], l.v.shape[2]) for l in kv.layers]
+        if dims != [tuple(d) for d in self.layer_dims]:
+            raise ConfigError(f"KV layout ({len(dims)} layers, {dims[:2]}...) does not match the profile ({len(self.layer_dims)} layers, {self.layer_dims[:2]}...)")
+
+
+# -- calibration ---------------------------------------------------------------------
+
+
+def _section_values(samples: Sequence[KVCache], i: int, n_sink: int) -> torch.Tensor:
+    """All non-sink tokens of section ``i`` over the samples, (heads, N, dim) float64."""
+    parts = []
+    for kv in samples:
+        l = kv.layers[i // 2]
+        x = l.k if i % 2 == 0 else l.v
+        skip = max(0, n_sink - kv.start)
+        if x.shape[1] > skip:
+            parts.append(x[:, skip:].to(torch.float64))
+    if not parts:
+        return torch.zeros((x.shape[0], 0, x.shape[2]), dtype=torch.float64)
+    return torch.cat(parts, dim=1)
+
+
+def _pca(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per head: mean (H*D,), basis (H, D, D) columns by decreasing variance, component std (H*D,)."""
+    mean = x.mean(dim=1, keepdim=True)
+    xc = x - mean
+    cov = xc.transpose(1, 2) @ xc / max(1, x.shape[1] - 1)
+    evals, evecs = torch.linalg.eigh(cov)  # ascending
+    evals, evecs = evals.flip(-1), evecs.flip(-1)
+    # deterministic signs: largest-magnitude entry of each vector positive
+    idx = evecs.abs().argmax(dim=1, keepdim=True)
+    sign = torch.sign(torch.gather(evecs, 1, idx))
+    sign[sign == 0] = 1
+    evecs = evecs * sign
+    std = (xc @ evecs).std(dim=1)
+    return mean.reshape(-1).numpy().astype(np.float32), evecs.numpy().astype(np.float32), std.reshape(-1).numpy().astype(np.float32)
+
+
+def section_steps(
+    sections: Sequence[SectionParams], level: int, sensitivity: Sequence[float] | None, kl_scale: float = 1.0
+) -> list[np.ndarray]:
+    """Step per component for ``level``.
+
+    With per-value sensitivities ``s`` (KL per unit noise variance per value, from
+    :mod:`cachegen.codec.sensitivity`), a uniform quantizer adds KL about
+    ``0.5 * sum(s * step**2 / 12)``; steps ``sqrt(24 * KL_target / (n_values * s))``
+    split the KL target evenly over the values, which is the rate-optimal allocation.
+    Without sensitivities the step is a fixed fraction of each section's RMS.
+    """
+    steps = []
+    n_total = sum(s.mean.size for s in sections)
+    for i, s in enumerate(sections):
+        if sensitivity is not None:
+            base = float(np.sqrt(24.0 * KL_TARGETS[level] * kl_scale / (n_total * max(float(sensitivity[i]), 1e-30))))
+        else:
+            base = REL_STEPS[level] * float(np.sqrt(np.mean(s.std.astype(np.float64) ** 2) + 1e-30))
+        st = np.maximum(np.float32(base), s.std / np.float32(quant.MAX_RATIO))
+        st = np.maximum(st, np.float32(1e-12))
+        steps.append(st.astype(np.float32))
+    return steps
+
+
+def calibrate(
+    samples: list[KVCache],
+    model_fingerprint: str,
+    *,
+    use_pca: bool = True,
+    sensitivity: Sequence[float] | None = None,
+    kl_scale: float = 1.0,
+    n_sink: int = DEFAULT_SINK,
+    levels: Sequence[int] = LEVELS,
+    meta: dict | None = None,
+) -> Profile:
+    """Build a :class:`Profile` from KV samples alone (no model needed).
+
+    ``sensitivity`` (one float per section, ``2*layer + kv``) comes from
+    :func:`cachegen.codec.sensitivity.fisher_sensitivity` when a model is at hand;
+    without it steps are proportional to each section's RMS.
+    """
+    from cachegen.codec.transform import forward_section
+
+    if not samples:
+        raise ConfigError("calibration needs at least one KV sample")
+    first = samples[0]
+    dims = [(int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in first.layers]
+    for kv in samples[1:]:
+        if [(int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in kv.layers] != dims:
+            raise ConfigError("calibration samples have different layouts")
+    sections = []
+    for i in range(2 * len(dims)):
+        x = _section_values(samples, i, n_sink)
+        h, d = x.shape[0], x.shape[2]
+        if x.shape[1] < 2:  # nothing to learn from: identity transform, unit scale
+            sections.append(SectionParams(h, d, np.zeros(h * d, np.float32), np.ones(h * d, np.float32), None))
+            continue
+        if use_pca:
+            mean, basis, std = _pca(x)
+        else:
+            mean = x.mean(dim=1).reshape(-1).numpy().astype(np.float32)
+            std = x.std(dim=1).reshape(-1).numpy().astype(np.float32)
+            basis = None
+        sections.append(SectionParams(h, d, mean, np.maximum(std, 1e-20).astype(np.float32), basis))
+    level_params = {}
+    ys = [[forward_section(sections[i], _section_values([kv], i, n_sink).to(torch.float32)) for kv in samples] for i in range(len(sections))]
+    for lv in levels:
+        if lv not in KL_TARGETS:
+            raise ConfigError(f"unknown level {lv}")
+        steps = section_steps(sections, lv, sensitivity, kl_scale)
+        cls_ = [quant.classes_for(s.std, st) for s, st in zip(sections, steps)]
+        counts = np.zeros((quant.N_CLASSES, quant.ALPHABET), dtype=np.float64)
+        allow = np.ones((quant.N_CLASSES, quant.ALPHABET), dtype=np.int64)  # count every symbol
+        for i in range(len(sections)):
+            for y in ys[i]:
+                sym = np.empty(y.shape, dtype=np.uint8)
+                esc = np.empty(y.size + 1, dtype=np.int32)
+                quant.quantize(y, (1.0 / steps[i]).astype(np.float32), cls_[i], allow, sym, esc)
+                quant.histogram_classes(sym, cls_[i], counts)
+        level_params[lv] = LevelParams(steps, quant.tables_from_counts(counts, PRECISION))
+    m = dict(meta or {})
+    m.setdefault("use_pca", use_pca)
+    m.setdefault("sensitivity", sensitivity is not None)
+    return Profile(model_fingerprint, dims, sections, level_params, n_sink, m)

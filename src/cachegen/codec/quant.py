@@ -1,0 +1,113 @@
+"""Scalar quantization of transformed KV values to rANS symbols, with escapes.
+
+Why escapes: tables are profiled once per model, so a chunk may hold a value
+its table never saw (a heavy tail). Such values are coded as the escape
+symbol plus their exact integer, so the error bound ``|y - y_hat| <= step/2``
+holds for every value and no table needs probability mass on rare symbols.
+
+Symbols are ``q + CENTER`` for ``|q| <= CENTER`` when the stream's table gives
+that symbol a nonzero frequency; anything else is ``ESCAPE``.
+"""
+
+from __future__ import annotations
+
+from cachegen.codec import _numba_env  # noqa: F401
+
+import numpy as np
+from numba import njit
+
+ALPHABET = 256
+CENTER = 127
+ESCAPE = 255
+N_CLASSES = 24  # tables per level: one per half-octave of std/step
+CLASS_OFFSET = 10  # class = round(2*log2(std/step)) + CLASS_OFFSET
+MAX_RATIO = 48.0  # per-component step is at least std/MAX_RATIO (keeps symbols inside the alphabet)
+_QMAX = float(1 << 30)
+
+
+def classes_for(std: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Table class of each component from its std/step ratio (half-octave buckets)."""
+    r = np.maximum(std.astype(np.float64), 1e-30) / step.astype(np.float64)
+    c = np.floor(2.0 * np.log2(r) + 0.5) + CLASS_OFFSET
+    return np.clip(c, 0, N_CLASSES - 1).astype(np.int64)
+
+
+@njit(nogil=True, cache=True)
+def quantize(y, inv_step, cls, freq, sym, esc):
+    """y (T, C) float32 -> sym (T, C) uint8; escaped integers go to ``esc``; returns the escape count."""
+    T = y.shape[0]
+    C = y.shape[1]
+    n = 0
+    for t in range(T):
+        row = y[t]
+        out = sym[t]
+        for c in range(C):
+            v = row[c] * inv_step[c]
+            v = min(max(v, -1073741824.0), 1073741824.0)
+            q = np.int64(np.floor(v + 0.5))
+            s = q + 127
+            if s >= 0 and s < 255 and freq[cls[c], s] > 0:
+                out[c] = np.uint8(s)
+            else:
+                out[c] = np.uint8(255)
+                esc[n] = np.int32(q)
+                n += 1
+    return n
+
+
+@njit(nogil=True, cache=True)
+def dequantize(sym, step, esc, n_esc, out):
+    """sym (T, C) uint8 -> out (T, C) float32; returns escapes consumed (must equal ``n_esc``).
+
+    ``esc`` must hold at least one element more than ``n_esc`` (a pad), so hostile
+    symbols can never read outside it."""
+    T = sym.shape[0]
+    C = sym.shape[1]
+    e = 0
+    for t in range(T):
+        srow = sym[t]
+        orow = out[t]
+        for c in range(C):
+            s = np.int64(srow[c])
+            if s == 255:
+                q = np.int64(esc[min(e, n_esc)])
+                e += 1
+            else:
+                q = s - 127
+            orow[c] = np.float32(q) * step[c]
+    return e
+
+
+def laplace_prior(ratio: float) -> np.ndarray:
+    """Counts of a discretized Laplace of std ``ratio`` steps over the symbol alphabet (tails cut)."""
+    b = max(ratio, 1e-3) / np.sqrt(2.0)
+    q = np.arange(-CENTER, CENTER + 1, dtype=np.float64)
+    cdf = lambda x: np.where(x < 0, 0.5 * np.exp(np.minimum(x, 0) / b), 1 - 0.5 * np.exp(-np.maximum(x, 0) / b))
+    p = cdf(q + 0.5) - cdf(q - 0.5)
+    p[p < 2.0**-13] = 0.0
+    out = np.zeros(ALPHABET, dtype=np.float64)
+    out[: 2 * CENTER + 1] = p
+    return out
+
+
+def histogram_classes(sym: np.ndarray, cls: np.ndarray, counts: np.ndarray) -> None:
+    """Accumulate ``counts[class, symbol]`` from sym (T, C) with per-column class ``cls``."""
+    for k in np.unique(cls):
+        cols = np.nonzero(cls == k)[0]
+        counts[k] += np.bincount(sym[:, cols].ravel(), minlength=ALPHABET)[:ALPHABET]
+
+
+def tables_from_counts(counts: np.ndarray, precision: int = 12, prior_weight: float = 0.002) -> np.ndarray:
+    """Frequencies (N_CLASSES, ALPHABET) from class histograms, smoothed by a Laplace prior, escape >= 1."""
+    from cachegen.codec.rans import quantize_counts
+
+    freqs = np.zeros((N_CLASSES, ALPHABET), dtype=np.int64)
+    for k in range(N_CLASSES):
+        c = counts[k].astype(np.float64).copy()
+        ratio = 2.0 ** ((k - CLASS_OFFSET) / 2.0)
+        total = c.sum()
+        prior = laplace_prior(ratio)
+        c += prior / prior.sum() * (prior_weight * total + 64.0)
+        c[ESCAPE] = max(c[ESCAPE], 1e-9 * max(total, 1.0), 1e-12)
+        freqs[k] = quantize_counts(c, precision)
+    return freqs

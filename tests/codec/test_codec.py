@@ -1,0 +1,204 @@
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from cachegen.codec import FORMAT_VERSION, LEVELS, LOSSLESS, Codec, Profile, calibrate
+from cachegen.errors import CorruptChunk, FormatVersionError, ProfileMismatch
+from cachegen.kv import KVCache, KVLayer, LayerKind
+
+
+def rand_kv(seed=0, L=3, H=2, T=48, D=16, Dv=None, start=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for i in range(L):
+        k = torch.randn(H, T, D, generator=g) * (1 + i) + 0.5
+        v = torch.randn(H, T, Dv or D, generator=g) * 0.3
+        kind = LayerKind.SLIDING if i % 2 else LayerKind.FULL
+        layers.append(KVLayer(k.to(dtype), v.to(dtype), kind, 16 if i % 2 else None))
+    return KVCache(layers, start=start)
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return calibrate([rand_kv(100 + i, T=160) for i in range(2)], "fp-test")
+
+
+def bound(prof, level, sec, d):
+    # orthonormal per-head basis: per-value error <= ||y err||_2 <= sqrt(d) * max step / 2
+    return float(prof.levels[level].steps[sec].max()) * 0.5 * np.sqrt(d) * 1.001 + 1e-5
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_error_bound_per_level(profile, level):
+    kv = rand_kv(1, start=2)
+    codec = Codec(profile)
+    out = codec.decode(codec.encode(kv, level))
+    assert out.start == 2 and out.dtype == kv.dtype
+    for li, (a, b) in enumerate(zip(kv.layers, out.layers)):
+        assert (a.kind, a.window) == (b.kind, b.window)
+        assert torch.equal(a.k[:, :2], b.k[:, :2])  # sink tokens (positions 2, 3) exact
+        assert (a.k - b.k).abs().max() <= bound(profile, level, 2 * li, 16)
+        assert (a.v - b.v).abs().max() <= bound(profile, level, 2 * li + 1, 16)
+
+
+def test_levels_order_rate_and_error(profile):
+    kv = rand_kv(2, T=128, start=64)
+    codec = Codec(profile)
+    sizes, errs = [], []
+    for lv in LEVELS:
+        out = codec.decode(codec.encode(kv, lv))
+        sizes.append(len(codec.encode(kv, lv)))
+        errs.append(sum(((a.k - b.k) ** 2).sum().item() for a, b in zip(kv.layers, out.layers)))
+    assert sizes == sorted(sizes, reverse=True)
+    assert errs == sorted(errs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_lossless_bit_exact(dtype):
+    kv = rand_kv(3, dtype=dtype, start=7)
+    kv.layers[0].k[0, 0, 0] = float("nan")
+    out = Codec().decode(Codec().encode(kv, LOSSLESS))
+    for a, b in zip(kv.layers, out.layers):
+        assert a.k.dtype == b.k.dtype
+        assert torch.equal(a.k.view(torch.int16 if dtype != torch.float32 else torch.int32), b.k.view(torch.int16 if dtype != torch.float32 else torch.int32))
+        assert torch.equal(a.v, b.v)
+
+
+def test_deterministic(profile):
+    kv = rand_kv(4)
+    assert Codec(profile).encode(kv, 3) == Codec(profile, threads=1).encode(kv.clone(), 3)
+    assert Codec().encode(kv, 5) == Codec().encode(kv, 5)
+
+
+def test_gqa_like_shapes_and_fp16_lossy():
+    kv = rand_kv(5, L=2, H=3, D=8, Dv=24, T=30, dtype=torch.float16)
+    prof = calibrate([rand_kv(6, L=2, H=3, D=8, Dv=24, T=90)], "x")
+    out = Codec(prof).decode(Codec(prof).encode(kv, 2))
+    assert out.layers[1].v.shape == (3, 30, 24) and out.dtype == torch.float16
+
+
+def test_inline_tables_and_peek(profile):
+    kv = rand_kv(7)
+    data = Codec(None, model_fingerprint="m1").encode(kv, 4)
+    h = Codec().peek(data)
+    assert h.inline_profile and h.profile_id == "" and h.level == 4 and h.num_tokens == 48 and h.version == FORMAT_VERSION
+    out = Codec().decode(data)  # no profile needed for a self-contained chunk
+    assert (out.layers[0].k - kv.layers[0].k).abs().max() < 1.0
+    d2 = Codec(profile).encode(kv, 4)
+    h2 = Codec().peek(d2)
+    assert h2.profile_id == profile.id and h2.model_fingerprint == "fp-test" and h2.layers[1].kind == LayerKind.SLIDING
+
+
+def test_profile_mismatch(profile):
+    data = Codec(profile).encode(rand_kv(8), 3)
+    with pytest.raises(ProfileMismatch, match=profile.id):
+        Codec().decode(data)
+    other = calibrate([rand_kv(9, T=100)], "fp-test")
+    with pytest.raises(ProfileMismatch):
+        Codec(other).decode(data)
+    with pytest.raises(ProfileMismatch):
+        Codec(model_fingerprint="another-model").decode(data)
+
+
+def test_profile_serialization(profile, tmp_path):
+    p = tmp_path / "p.cgprof"
+    profile.save(p)
+    q = Profile.load(p)
+    assert q.id == profile.id and q.model_fingerprint == "fp-test"
+    kv = rand_kv(10)
+    assert Codec(q).encode(kv, 3) == Codec(profile).encode(kv, 3)
+    b = bytearray(profile.to_bytes())
+    b[4] = 9
+    with pytest.raises(FormatVersionError):
+        Profile.from_bytes(bytes(b))
+    for cut in (3, 20, len(b) // 2):
+        with pytest.raises(CorruptChunk):
+            Profile.from_bytes(profile.to_bytes()[:cut])
+
+
+def test_format_version_mismatch(profile):
+    data = bytearray(Codec(profile).encode(rand_kv(11), 3))
+    data[4:6] = struct.pack("<H", FORMAT_VERSION + 1)
+    with pytest.raises(FormatVersionError, match="version"):
+        Codec(profile).decode(bytes(data))
+
+
+def test_decode_layers_streaming(profile):
+    kv = rand_kv(12)
+    data = Codec(profile).encode(kv, 3)
+    got = list(Codec(profile).decode_layers(data))
+    assert [i for i, _ in got] == [0, 1, 2]
+
+
+def test_empty_and_sink_only_chunks(profile):
+    for kv in (rand_kv(13, T=3), rand_kv(13, T=0, start=10)):
+        for c in (Codec(profile), Codec()):
+            for lv in (0, 3):
+                out = c.decode(c.encode(kv, lv))
+                assert out.num_tokens == kv.num_tokens
+
+
+@pytest.fixture(scope="module")
+def chunks(profile):
+    kv = rand_kv(14, T=24)
+    return [Codec(profile).encode(kv, 3), Codec().encode(kv, 5), Codec().encode(kv.to(torch.bfloat16), 0)]
+
+
+def _decode_all(profile, data):
+    try:
+        Codec(profile).decode(data)
+    except CorruptChunk:
+        pass  # ProfileMismatch would be a bug for these mutations of the header-consistent chunks
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 2), st.integers(0, 10**9), st.integers(1, 255), st.sampled_from(["flip", "truncate", "byte"]))
+def test_corrupt_inputs_raise_corruptchunk(profile, chunks, which, pos, val, mode):
+    data = bytearray(chunks[which])
+    p = pos % len(data)
+    if mode == "flip":
+        data[p] ^= 1 << (val % 8)
+    elif mode == "truncate":
+        data = data[:p]
+    else:
+        data[p] = (data[p] + val) % 256
+    with pytest.raises(CorruptChunk):
+        Codec(profile).decode(bytes(data))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=300))
+def test_random_bytes_raise_corruptchunk(profile, junk):
+    for data in (junk, b"CGKC" + junk):
+        with pytest.raises(CorruptChunk):
+            Codec(profile).decode(data)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 2), st.integers(0, 10**9), st.binary(min_size=1, max_size=8))
+def test_hostile_payload_with_valid_checksums(profile, chunks, which, pos, junk):
+    """Mutate a section and fix its CRCs: decoding must still fail cleanly or succeed, never crash."""
+    from cachegen.codec.container import parse_header, pack_header
+    import dataclasses
+
+    data = chunks[which]
+    h = parse_header(data)
+    s = pos % len(h.section_lengths)
+    off = h.section_offsets()[s]
+    sec = bytearray(data[off : off + h.section_lengths[s]])
+    if not sec:
+        return
+    p = pos % len(sec)
+    sec[p : p + len(junk)] = junk
+    secs = [bytes(data[o : o + n]) for o, n in zip(h.section_offsets(), h.section_lengths)]
+    secs[s] = bytes(sec)
+    h2 = dataclasses.replace(h, section_lengths=tuple(map(len, secs)), section_crcs=tuple(zlib.crc32(x) for x in secs))
+    blob = pack_header(h2) + b"".join(secs)
+    try:
+        Codec(profile).decode(blob)
+    except CorruptChunk:
+        pass

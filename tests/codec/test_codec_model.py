@@ -1,0 +1,39 @@
+import pytest
+import torch
+
+from cachegen.codec import Codec
+from cachegen.kv import KVCache
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from cachegen.engine.models import load_model
+
+    try:
+        return load_model("smollm2-135m", progress=False)
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"model not available: {e}")
+
+
+def test_levels_order_quality_on_real_kv(smol):
+    from pathlib import Path
+
+    from cachegen.bench.quality_metrics import measure_quality
+    from cachegen.codec.model_profile import _kv_of, calibrate_for_model
+
+    prof = calibrate_for_model(smol, sample_tokens=512, n_samples=1, fisher_context=256, fisher_cont=32)
+    ids = torch.tensor(smol.tokenizer(Path("/usr/share/common-licenses/GPL-3").read_text())["input_ids"][:448])
+    kv = _kv_of(smol.model, ids[:384])
+    codec = Codec(prof)
+    kls, sizes = [], []
+    for lv in (1, 4, 7):
+        data = [codec.encode(c, lv) for c in kv.chunks(128)]
+        sizes.append(sum(map(len, data)))
+        q = measure_quality(smol.model, kv, ids[384:], lambda _: KVCache.concat([codec.decode(d) for d in data]))
+        kls.append(q["kl"])
+    assert kls[0] < kls[1] < kls[2]
+    assert kls[0] < 0.005 and sizes[0] > sizes[1] > sizes[2]
+    lossless = Codec().decode(Codec().encode(kv.to(torch.bfloat16), 0))
+    assert all(torch.equal(a.k, b.k) for a, b in zip(kv.to(torch.bfloat16).layers, lossless.layers))
