@@ -50,6 +50,8 @@ class StoreUnavailable(StoreError):
 class ChunkNotFound(StoreError, KeyError):
     """The requested chunk or level is not in the store."""
 
+    __str__ = Exception.__str__  # KeyError would quote the message
+
 
 class LoaderError(CachegenError):
     """The streaming loader could not produce a cache (it then recomputes)."""

@@ -1,0 +1,121 @@
+"""The interface every store backend implements, and what it reports.
+
+A backend stores, per chunk key: the chunk's token ids (what recompute needs),
+one payload per quality level, and each payload's size (readable without the
+payload, for the streaming planner). A payload is visible only once it and its
+size are both in place, and every read verifies a checksum, so a backend never
+returns torn or wrong bytes: it returns the right bytes or raises
+:class:`~cachegen.errors.ChunkNotFound`, :class:`~cachegen.errors.StoreUnavailable`
+or :class:`~cachegen.errors.CorruptChunk`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+CHECKSUM_SIZE = 16
+
+
+def checksum(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=CHECKSUM_SIZE).digest()
+
+
+@dataclass
+class ChunkWrite:
+    """One chunk to store: its key, its token ids (uint32 LE bytes) and payloads by level."""
+
+    key: str
+    tokens: bytes
+    payloads: Mapping[int, bytes]
+    start: int = 0  # first token position, used to evict a context's tail before its head
+    ends_context: bool = False  # the last chunk of an ingested context (counted by stats)
+
+
+@dataclass
+class LevelStats:
+    chunks: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class StoreStats:
+    """What ``cachegen store stats`` prints."""
+
+    contexts: int = 0  # ingested contexts whose last chunk is still stored
+    chunks: int = 0
+    bytes: int = 0  # payload bytes, all levels
+    levels: dict[int, LevelStats] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "contexts": self.contexts,
+            "chunks": self.chunks,
+            "bytes": self.bytes,
+            "levels": {str(l): {"chunks": s.chunks, "bytes": s.bytes} for l, s in sorted(self.levels.items())},
+        }
+
+
+class Backend(ABC):
+    """A place to keep chunks; chosen by URL with :func:`cachegen.store.open_backend`."""
+
+    url: str
+
+    @abstractmethod
+    def put_chunks(self, writes: Sequence[ChunkWrite]) -> None:
+        """Store chunks; levels already present are kept as they are (first copy wins)."""
+
+    def put_chunk(self, key: str, tokens: bytes, payloads: Mapping[int, bytes], **kw) -> None:
+        self.put_chunks([ChunkWrite(key, tokens, payloads, **kw)])
+
+    @abstractmethod
+    def get_many(self, items: Sequence[tuple[str, int]]) -> list[bytes]:
+        """Payloads of ``(key, level)`` pairs, fetched together; checksums verified."""
+
+    def get(self, key: str, level: int) -> bytes:
+        return self.get_many([(key, level)])[0]
+
+    @abstractmethod
+    def sizes_many(self, keys: Sequence[str]) -> list[dict[int, int]]:
+        """Payload size per level for each key; ``{}`` for a key that is not stored."""
+
+    def sizes(self, key: str) -> dict[int, int]:
+        return self.sizes_many([key])[0]
+
+    def has(self, key: str) -> bool:
+        return bool(self.sizes(key))
+
+    @abstractmethod
+    def tokens(self, key: str) -> bytes:
+        """The chunk's token ids (uint32 LE bytes); raises ChunkNotFound."""
+
+    @abstractmethod
+    def stats(self) -> StoreStats: ...
+
+    @abstractmethod
+    def evict(self, max_bytes: int | None = None) -> int:
+        """Drop least recently used chunks until at most ``max_bytes`` remain (default: the
+        backend's cap, if any); also removes debris of crashed writers. Returns chunks dropped."""
+
+    @abstractmethod
+    def clear(self) -> int:
+        """Remove every chunk of this store; returns how many."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def merge_levels(stats: StoreStats, sizes: Iterable[tuple[int, int]]) -> None:
+    for level, size in sizes:
+        s = stats.levels.setdefault(level, LevelStats())
+        s.chunks += 1
+        s.bytes += size
+        stats.bytes += size

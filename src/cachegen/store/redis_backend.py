@@ -1,0 +1,224 @@
+"""Redis and Redis Cluster backends: the same keys as the local store, shared by many nodes.
+
+Per chunk (the ``{KEY}`` hash tag keeps them in one cluster slot, so one
+MULTI covers them all):
+
+* ``cg:{KEY}:m`` — a small hash: ``s:<level>`` payload sizes, ``p`` start,
+  ``e`` ends-a-context flag, ``w`` write time. The planner reads it alone.
+* ``cg:{KEY}:t`` — the token ids (uint32 LE), for recompute.
+* ``cg:{KEY}:<level>`` — blake2b-128 checksum followed by the payload.
+
+A chunk's new levels, their sizes and its tokens are written in one
+MULTI/EXEC, so a reader (or a writer that dies mid-way) never sees a size
+without its payload. Two writers of the same chunk each write a complete,
+consistent copy and the last one stays. Gets are pipelined; every payload's
+checksum is verified. Connection failures and timeouts (``?timeout=`` in the
+URL) raise :class:`~cachegen.errors.StoreUnavailable`.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cachegen.errors import ChunkNotFound, CorruptChunk, StoreError, StoreUnavailable
+from cachegen.store.backend import CHECKSUM_SIZE, Backend, ChunkWrite, StoreStats, checksum, merge_levels
+from cachegen.store.keys import check_key
+
+PREFIX = "cg:"
+DEFAULT_TIMEOUT = 5.0
+
+
+def _meta(key: str) -> str:
+    return f"{PREFIX}{{{key}}}:m"
+
+
+def _tok(key: str) -> str:
+    return f"{PREFIX}{{{key}}}:t"
+
+
+def _payload(key: str, level: int) -> str:
+    return f"{PREFIX}{{{key}}}:{int(level)}"
+
+
+def _sizes(meta: dict) -> dict[int, int]:
+    return {int(f[2:]): int(v) for f, v in meta.items() if f.startswith(b"s:")}
+
+
+class RedisBackend(Backend):
+    """``redis://host:port/db`` or, with ``cluster=True``, ``redis+cluster://host:port``."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 6379,
+        db: int = 0,
+        *,
+        cluster: bool = False,
+        password: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        ttl: int | None = None,
+        retries: int = 0,
+        url: str | None = None,
+    ):
+        self.host, self.port, self.db, self.cluster = host, port, db, cluster
+        self.ttl = ttl
+        self.url = url or (f"redis+cluster://{host}:{port}" if cluster else f"redis://{host}:{port}/{db}")
+        self._kw = dict(
+            password=password,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), retries),  # the loader has a deadline: fail fast, it recomputes
+        )
+        self._client = None
+
+    @property
+    def client(self):
+        """Connected on first use, so opening a store never blocks on the network."""
+        if self._client is None:
+            with self._errors("connect to"):
+                if self.cluster:
+                    from redis.cluster import RedisCluster
+
+                    self._client = RedisCluster(host=self.host, port=self.port, **self._kw)
+                else:
+                    self._client = redis.Redis(host=self.host, port=self.port, db=self.db, **self._kw)
+        return self._client
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
+            raise StoreUnavailable(f"cannot {what} {self.url}: {e}") from e
+        except redis.exceptions.RedisClusterException as e:  # cluster down, no reachable node
+            raise StoreUnavailable(f"cannot {what} {self.url}: {e}") from e
+        except redis.exceptions.RedisError as e:
+            raise StoreError(f"{self.url} failed to {what} the store: {e}") from e
+
+    # -- writes --------------------------------------------------------------
+    def put_chunks(self, writes: Sequence[ChunkWrite]) -> None:
+        keys = [check_key(w.key) for w in writes]
+        existing = self.sizes_many(keys)
+        now = int(time.time())
+        with self._errors("write to"):
+            for w, have in zip(writes, existing):
+                new = {int(l): d for l, d in w.payloads.items() if int(l) not in have}
+                if not new and have and not w.ends_context:
+                    continue
+                p = self.client.pipeline(transaction=True)  # one slot per chunk: MULTI works in a cluster too
+                fields: dict[str, int] = {"p": w.start, "w": now}
+                if w.ends_context:
+                    fields["e"] = 1
+                for level, data in new.items():
+                    p.set(_payload(w.key, level), checksum(data) + data)
+                    fields[f"s:{level}"] = len(data)
+                p.hset(_meta(w.key), mapping=fields)
+                p.set(_tok(w.key), w.tokens)
+                if self.ttl:
+                    for k in [_meta(w.key), _tok(w.key)] + [_payload(w.key, l) for l in set(new) | set(have)]:
+                        p.expire(k, self.ttl)
+                p.execute()
+
+    # -- reads ---------------------------------------------------------------
+    def get_many(self, items: Sequence[tuple[str, int]]) -> list[bytes]:
+        with self._errors("read from"):
+            p = self.client.pipeline(transaction=False)
+            for key, level in items:
+                p.get(_payload(check_key(key), level))
+            raw = p.execute()
+        out = []
+        for (key, level), value in zip(items, raw):
+            if value is None:
+                raise ChunkNotFound(f"chunk {key[:16]} level {level} is not in {self.url}")
+            data = value[CHECKSUM_SIZE:]
+            if len(value) < CHECKSUM_SIZE or checksum(data) != value[:CHECKSUM_SIZE]:
+                raise CorruptChunk(f"chunk {key[:16]} level {level} in {self.url} fails its checksum")
+            out.append(data)
+        return out
+
+    def sizes_many(self, keys: Sequence[str]) -> list[dict[int, int]]:
+        if not keys:
+            return []
+        with self._errors("read from"):
+            p = self.client.pipeline(transaction=False)
+            for key in keys:
+                p.hgetall(_meta(check_key(key)))
+            return [_sizes(m) for m in p.execute()]
+
+    def tokens(self, key: str) -> bytes:
+        with self._errors("read from"):
+            value = self.client.get(_tok(check_key(key)))
+        if value is None:
+            raise ChunkNotFound(f"tokens of chunk {key[:16]} are not in {self.url}")
+        return value
+
+    # -- maintenance ---------------------------------------------------------
+    def _metas(self) -> list[tuple[str, dict]]:
+        with self._errors("scan"):
+            names = list(self.client.scan_iter(match=f"{PREFIX}{{*}}:m", count=1000))
+            p = self.client.pipeline(transaction=False)
+            for n in names:
+                p.hgetall(n)
+            metas = p.execute() if names else []
+        return [(n.decode()[len(PREFIX) + 1 : -3], m) for n, m in zip(names, metas) if m]
+
+    def stats(self) -> StoreStats:
+        s = StoreStats()
+        for _, m in self._metas():
+            s.chunks += 1
+            s.contexts += int(m.get(b"e", 0))
+            merge_levels(s, _sizes(m).items())
+        return s
+
+    def evict(self, max_bytes: int | None = None) -> int:
+        """Redis evicts on its own (``maxmemory`` and the TTL); this trims to ``max_bytes`` if given,
+        oldest writes first and a context's tail before its head."""
+        if max_bytes is None:
+            return 0
+        metas = self._metas()
+        total = sum(sum(_sizes(m).values()) for _, m in metas)
+        metas.sort(key=lambda km: (int(km[1].get(b"w", 0)), -int(km[1].get(b"p", 0))))
+        victims = []
+        for key, m in metas:
+            if total <= max_bytes:
+                break
+            victims.append((key, list(_sizes(m))))
+            total -= sum(_sizes(m).values())
+        self._delete(victims)
+        return len(victims)
+
+    def _delete(self, chunks: list[tuple[str, list[int]]]) -> None:
+        with self._errors("delete from"):
+            for key, levels in chunks:
+                p = self.client.pipeline(transaction=True)
+                p.delete(_meta(key))  # meta first, inside MULTI: no reader sees sizes without payloads
+                p.delete(_tok(key))
+                for l in levels:
+                    p.delete(_payload(key, l))
+                p.execute()
+
+    def clear(self) -> int:
+        n = 0
+        with self._errors("clear"):
+            names = list(self.client.scan_iter(match=f"{PREFIX}{{*}}:*", count=1000))
+            p = self.client.pipeline(transaction=False)
+            for name in names:
+                p.delete(name)
+                n += name.endswith(b":m")
+            if names:
+                p.execute()
+        return n
+
+    def close(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except redis.exceptions.RedisError:
+                pass
+            self._client = None

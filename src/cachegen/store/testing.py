@@ -1,0 +1,131 @@
+"""Helpers for the store's tests: a stand-in encoder, and workers run as separate processes.
+
+Kept in the package (like ``numpy.testing``) so that worker processes import
+them by name: ``python -m cachegen.store.testing writer URL FIRST N SIZE``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cachegen.store.backend import ChunkWrite
+from cachegen.store.context_store import ContextStore
+from cachegen.store.keys import Namespace
+from cachegen.store.url import open_backend
+
+NS = Namespace("model-fp-test", 1, "0123abcd")
+INGEST_TOKENS = list(range(1000, 1000 + 16 * 60 + 5))  # 60 full chunks of 16 and a partial one
+
+
+class RawEncoder:
+    """Stands in for the codec: level L keeps every (L+1)-th value of K and V, as raw bytes.
+
+    Deterministic, so two writers produce identical payloads; counts calls so tests
+    can check that stored levels are not encoded again."""
+
+    levels = (0, 1, 2)
+
+    def __init__(self):
+        self.calls = 0
+
+    def encode(self, kv, level: int) -> bytes:
+        self.calls += 1
+        parts = [f"{kv.start}:{kv.num_tokens}:{level}|".encode()]
+        for l in kv.layers:
+            parts.append(l.k.contiguous().flatten()[:: level + 1].numpy().tobytes())
+            parts.append(l.v.contiguous().flatten()[:: level + 1].numpy().tobytes())
+        return b"".join(parts)
+
+
+def make_kv(n_tokens: int, start: int = 0, seed: int = 0, layers: int = 2, heads: int = 2, dim: int = 8):
+    import torch
+
+    from cachegen.kv import KVCache, KVLayer
+
+    g = torch.Generator().manual_seed(seed)
+    return KVCache(
+        [KVLayer(torch.randn(heads, n_tokens, dim, generator=g), torch.randn(heads, n_tokens, dim, generator=g))
+         for _ in range(layers)],
+        start=start,
+    )
+
+
+def ingest_kv():
+    return make_kv(len(INGEST_TOKENS), seed=42, layers=4, heads=4, dim=64)
+
+
+def spawn(*args) -> subprocess.Popen:
+    """Run a worker of this module in a new process (stdout: 'ready', then 'done')."""
+    return subprocess.Popen([sys.executable, "-m", "cachegen.store.testing", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def ingest_twice(url: str, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    procs = [spawn("ingest", url, go) for _ in range(2)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    go.touch()
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and "done" in out, err
+
+
+def check_one_copy(url: str) -> None:
+    cs = ContextStore(open_backend(url), NS, RawEncoder(), chunk_tokens=16)
+    toks, kv = INGEST_TOKENS, ingest_kv()
+    stats = cs.backend.stats()
+    assert (stats.contexts, stats.chunks) == (1, 61)
+    assert {l: s.chunks for l, s in stats.levels.items()} == {0: 61, 1: 61, 2: 61}
+    plan = cs.plan(toks)
+    for info in plan:
+        got = cs.get_many([(info.ref, l) for l in (0, 1, 2)])
+        want = [cs.encoder.encode(kv.slice(info.ref.start, info.ref.end), l) for l in (0, 1, 2)]
+        assert got == want and info.sizes == {l: len(w) for l, w in enumerate(want)}
+    assert stats.bytes == sum(sum(i.sizes.values()) for i in plan)
+
+
+# -- workers -------------------------------------------------------------------
+
+def writer(url: str, first: str, n: str, size: str) -> None:
+    """Write chunks ``first..first+n`` with three random payloads of ``size`` bytes each."""
+    b = open_backend(url)
+    print("ready", flush=True)
+    for i in range(int(first), int(first) + int(n)):
+        b.put_chunks([ChunkWrite(f"{i:064x}", b"", {l: os.urandom(int(size)) for l in range(3)}, start=i)])
+    print("done", flush=True)
+
+
+def ingest(url: str, go: str) -> None:
+    """Ingest the test context once the file ``go`` exists (so two workers start together)."""
+    cs = ContextStore(open_backend(url), NS, RawEncoder(), chunk_tokens=16)
+    kv = ingest_kv()
+    print("ready", flush=True)
+    while not Path(go).exists():
+        time.sleep(0.001)
+    cs.put_context(INGEST_TOKENS, kv)
+    print("done", flush=True)
+
+
+def kill_at(root: str, point: str) -> None:
+    """Die by SIGKILL while staging a file (``staged``) or between rename and commit (``renamed``)."""
+    import signal
+
+    import cachegen.store.local as local
+
+    def die(*a, **k):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "staged":
+        os.fsync = die
+    else:
+        local._fsync_dir = die
+    local.LocalBackend(root).put_chunk("%064x" % 7, b"", {0: b"x" * 5000, 1: b"y" * 3000})
+
+
+if __name__ == "__main__":
+    {"writer": writer, "ingest": ingest, "kill_at": kill_at}[sys.argv[1]](*sys.argv[2:])
