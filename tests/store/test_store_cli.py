@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from cachegen.store import ContextStore, default_store_url, open_backend
-from cachegen.store.cli import main
+from cachegen.cli.main import main
 
 
 def test_stats_evict_clear(store_dir, tmp_path, capsys, namespace, encoder, kv_factory):

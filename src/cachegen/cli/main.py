@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cachegen.bench.cli import register as register_bench
     from cachegen.cli.demo import register as register_demo
     from cachegen.cli.models import register as register_models
-    from cachegen.store.cli import register as register_store
+    from cachegen.cli.store import register as register_store
 
     p = argparse.ArgumentParser(prog="cachegen", description="Compress, store and stream LLM KV caches.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -1,17 +1,14 @@
 """``cachegen store ingest|stats|evict|clear``.
 
-:func:`register` adds the command group to the top-level parser. Only
-``ingest`` needs a model and the codec, imported when it runs, so the store
-layer itself never depends on the engine.
+``ingest`` needs the engine (a model and the codec) and imports it when it
+runs; the other commands touch the store alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-from typing import Sequence
 
 from cachegen.store.keys import DEFAULT_CHUNK_TOKENS
 from cachegen.store.url import default_store_url, open_backend, parse_size
@@ -78,52 +75,11 @@ def cmd_clear(args) -> int:
 def cmd_ingest(args) -> int:
     levels = [int(x) for x in args.levels.split(",")] if args.levels else None
     text = args.file.read_text()
-    chunks, tokens, written = ingest_text(text, args.store, args.model, args.chunk_tokens, levels)
-    print(f"ingested {chunks} chunks, {tokens} tokens ({written} chunks written) into {args.store or default_store_url()}")
+    from cachegen.engine.engine import Engine
+    from cachegen.engine.models import DEFAULT_MODEL
+
+    with Engine.open(args.model or DEFAULT_MODEL, args.store, args.chunk_tokens, levels) as eng:
+        r = eng.ingest_text(text, progress=True)
+    print(f"ingested {r.chunks} chunks, {r.tokens} tokens ({r.written} chunks written) into "
+          f"{args.store or default_store_url()}")
     return 0
-
-
-def ingest_text(text: str, store_url: str | None, model_name: str | None = None,
-                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, levels: Sequence[int] | None = None) -> tuple[int, int, int]:
-    """Tokenize, prefill what the store lacks, encode and put. Returns (chunks, tokens, chunks written).
-
-    Belongs above the store (it needs the engine and the codec); kept here until the
-    CLI layer takes it."""
-    from cachegen import codec
-    from cachegen.engine.models import DEFAULT_MODEL, load_model
-    from cachegen.engine.prefill import prefill
-    from cachegen.store.context_store import ContextStore
-    from cachegen.store.keys import Namespace
-
-    m = load_model(model_name or DEFAULT_MODEL)
-    ids = m.tokenizer(text, add_special_tokens=True)["input_ids"]
-    profile = codec.load_or_calibrate(m)
-    enc = codec.Codec(profile, m.fingerprint)
-    ns = Namespace(m.fingerprint, codec.FORMAT_VERSION, profile.id)
-    all_levels = (codec.LOSSLESS, *sorted(profile.levels))
-    with open_backend(store_url) as backend:
-        cs = ContextStore(backend, ns, enc, chunk_tokens, levels=levels or all_levels)
-        plan = cs.plan(ids)
-        if all(set(cs.levels) <= i.sizes.keys() for i in plan):
-            return len(plan), len(ids), 0
-        kv = prefill(m.model, ids)
-        written = cs.put_context(ids, kv)
-    return len(plan), len(ids), len(written)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the store commands on their own (``python -m cachegen.store.cli``)."""
-    parser = argparse.ArgumentParser(prog="cachegen")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    from cachegen.errors import CachegenError
-
-    try:
-        return args.func(args)
-    except CachegenError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

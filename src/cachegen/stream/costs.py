@@ -1,0 +1,135 @@
+"""Cost models the planner predicts with: fetch, decode and recompute seconds.
+
+Defaults are conservative guesses for a small CPU machine; :func:`calibrate`
+replaces them with quick measurements on this machine, and :meth:`CostModel.save`
+/ :meth:`CostModel.load` cache the result as JSON (under
+``$CACHEGEN_HOME/stream/`` by default, keyed by the caller, e.g. model and
+codec profile).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from cachegen import paths
+from cachegen.errors import ConfigError
+from cachegen.kv import KVCache
+
+TEXT = "text"
+
+
+@dataclass
+class CostModel:
+    # decode seconds per million KV values, per level (missing level: ``decode_s_per_mvalue_default``)
+    decode_s_per_mvalue: dict[int, float] = field(default_factory=dict)
+    decode_s_per_mvalue_default: float = 0.010
+    decode_fixed_s: float = 0.002
+    # recompute: fixed + n * (per_token + per_token_ctx * (prefix + n / 2))  (linear + attention)
+    recompute_fixed_s: float = 0.010
+    recompute_s_per_token: float = 1.0e-3
+    recompute_s_per_token_ctx: float = 2.0e-7
+    fetch_latency_s: float = 0.001  # per request, on top of bytes / bandwidth
+    source: str = "defaults"
+
+    # -- predictions ---------------------------------------------------------
+    def decode_s(self, level: int, num_values: int) -> float:
+        per = self.decode_s_per_mvalue.get(int(level), self.decode_s_per_mvalue_default)
+        return self.decode_fixed_s + per * num_values / 1e6
+
+    def recompute_s(self, prefix_tokens: int, n_tokens: int) -> float:
+        if n_tokens <= 0:
+            return 0.0
+        return self.recompute_fixed_s + n_tokens * (
+            self.recompute_s_per_token + self.recompute_s_per_token_ctx * (prefix_tokens + n_tokens / 2)
+        )
+
+    def fetch_s(self, nbytes: int, gbps: float) -> float:
+        if gbps <= 0:
+            return float("inf")
+        return self.fetch_latency_s + nbytes * 8 / (gbps * 1e9)
+
+    # -- persistence ---------------------------------------------------------
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["decode_s_per_mvalue"] = {str(k): v for k, v in self.decode_s_per_mvalue.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CostModel":
+        d = dict(d)
+        d["decode_s_per_mvalue"] = {int(k): float(v) for k, v in d.get("decode_s_per_mvalue", {}).items()}
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def save(self, path: str | Path) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(p)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def default_path(key: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:120]
+    return paths.subdir("stream") / f"costs-{safe}.json"
+
+
+def _best_time(fn: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def calibrate_decode(codec, sample: KVCache, levels: Sequence[int], repeats: int = 2,
+                     base: CostModel | None = None) -> CostModel:
+    """Measure decode seconds per million values for each level on ``sample``."""
+    cm = base or CostModel()
+    mv = sample.num_values / 1e6
+    for level in levels:
+        blob = codec.encode(sample, level)
+        codec.decode(blob)  # warm-up (JIT, caches)
+        t = _best_time(lambda: codec.decode(blob), repeats)
+        cm.decode_s_per_mvalue[int(level)] = max(t - cm.decode_fixed_s, 0.0) / mv * 1.15  # 15% headroom
+    cm.source = "calibrated"
+    return cm
+
+
+def calibrate_recompute(recompute: Callable, tokens: Sequence[int], chunk_tokens: int, prefix_tokens: int,
+                        base: CostModel | None = None) -> CostModel:
+    """Fit the recompute model from two runs: ``chunk_tokens`` at prefix 0 and at ``prefix_tokens``."""
+    if len(tokens) < prefix_tokens + chunk_tokens or prefix_tokens <= 0:
+        raise ConfigError("calibrate_recompute needs prefix_tokens + chunk_tokens tokens, prefix_tokens > 0")
+    cm = base or CostModel()
+    first = list(tokens[:chunk_tokens])
+    recompute(None, first)  # warm-up
+    t0 = _best_time(lambda: recompute(None, first), 2)
+    prefix = recompute(None, list(tokens[:prefix_tokens]))
+    later = list(tokens[prefix_tokens : prefix_tokens + chunk_tokens])
+    t1 = _best_time(lambda: recompute(prefix, later), 2)
+    n = chunk_tokens
+    ctx = max((t1 - t0) / (n * prefix_tokens), 0.0)
+    per_tok = max((t0 - cm.recompute_fixed_s) / n - ctx * n / 2, 1e-6)
+    cm.recompute_s_per_token = per_tok * 1.1
+    cm.recompute_s_per_token_ctx = ctx * 1.1
+    cm.source = "calibrated"
+    return cm
+
+
+def calibrate_fetch_latency(get: Callable[[], bytes], repeats: int = 5, base: CostModel | None = None) -> CostModel:
+    """Per-request overhead of the store, from fetching one small payload a few times."""
+    cm = base or CostModel()
+    get()
+    times = sorted(_best_time(get, 1) for _ in range(repeats))
+    cm.fetch_latency_s = times[len(times) // 2]
+    return cm

@@ -1,0 +1,169 @@
+"""Small stand-ins for tests and demos without a model: a toy codec, a toy
+"model" for recompute, and a store wrapper that injects faults.
+
+:class:`ToyCodec` level 0 is lossless (float32); level ``L >= 1`` quantizes
+each (layer, K/V, head) to ``8 - 2 * (L - 1)`` bits (8, 6, 4, 2), packed into
+bytes, so sizes shrink with the level. Each payload carries the chunk's start,
+shape and a checksum; bad bytes raise :class:`~cachegen.errors.CorruptChunk`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+import time
+
+import numpy as np
+import torch
+
+from cachegen.errors import ChunkNotFound, CorruptChunk, StoreUnavailable
+from cachegen.kv import KVCache, KVLayer
+
+MAGIC = b"TOYKV1"
+_HDR = struct.Struct("<6sBIIIII")  # magic, level, start, layers, heads, tokens, head_dim
+
+
+class ToyCodec:
+    levels = (0, 1, 2, 3, 4)
+
+    def __init__(self, delay_s_per_mvalue: float = 0.0):
+        self.delay_s_per_mvalue = delay_s_per_mvalue  # simulated decode cost (sleeps; releases the GIL)
+
+    @staticmethod
+    def bits(level: int) -> int:
+        return 32 if level == 0 else 8 - 2 * (level - 1)
+
+    def encode(self, kv: KVCache, level: int) -> bytes:
+        if level not in self.levels:
+            raise ValueError(f"no level {level}")
+        l0 = kv.layers[0]
+        h, t, d = l0.k.shape
+        out = [_HDR.pack(MAGIC, level, kv.start, kv.num_layers, h, t, d)]
+        for layer in kv.layers:
+            for x in (layer.k, layer.v):
+                a = x.float().numpy().reshape(h, t * d)
+                if level == 0:
+                    out.append(a.astype("<f4").tobytes())
+                    continue
+                b = self.bits(level)
+                lo, hi = a.min(axis=1, keepdims=True), a.max(axis=1, keepdims=True)
+                scale = np.maximum(hi - lo, 1e-12) / (2**b - 1)
+                q = np.rint((a - lo) / scale).astype(np.uint8)
+                out.append(np.concatenate([lo, scale], axis=1).astype("<f4").tobytes())
+                out.append(np.packbits(np.unpackbits(q[..., None], axis=-1)[..., 8 - b:], axis=None).tobytes())
+        body = b"".join(out)
+        return body + hashlib.blake2b(body, digest_size=8).digest()
+
+    def decode(self, blob: bytes) -> KVCache:
+        if len(blob) < _HDR.size + 8:
+            raise CorruptChunk("too short")
+        body, tag = blob[:-8], blob[-8:]
+        if hashlib.blake2b(body, digest_size=8).digest() != tag:
+            raise CorruptChunk("checksum mismatch")
+        magic, level, start, nl, h, t, d = _HDR.unpack_from(body)
+        if magic != MAGIC:
+            raise CorruptChunk("bad magic")
+        off = _HDR.size
+        layers = []
+        for _ in range(nl):
+            kv = []
+            for _ in range(2):
+                if level == 0:
+                    n = h * t * d * 4
+                    a = np.frombuffer(body, "<f4", h * t * d, off).reshape(h, t, d)
+                    off += n
+                else:
+                    b = self.bits(level)
+                    side = np.frombuffer(body, "<f4", 2 * h, off).reshape(h, 2)
+                    off += 8 * h
+                    nbits = h * t * d * b
+                    nb = (nbits + 7) // 8
+                    bits = np.unpackbits(np.frombuffer(body, np.uint8, nb, off))[:nbits].reshape(-1, b)
+                    off += nb
+                    q = np.packbits(np.concatenate([np.zeros((bits.shape[0], 8 - b), np.uint8), bits], 1), axis=1)
+                    a = (q.reshape(h, t * d).astype(np.float32) * side[:, 1:2] + side[:, 0:1]).reshape(h, t, d)
+                kv.append(torch.from_numpy(a.copy()))
+            layers.append(KVLayer(kv[0], kv[1]))
+        if off != len(body):
+            raise CorruptChunk("trailing bytes")
+        out = KVCache(layers, start=start)
+        if self.delay_s_per_mvalue:
+            time.sleep(self.delay_s_per_mvalue * out.num_values / 1e6)
+        return out
+
+
+class ToyModel:
+    """A deterministic stand-in for prefill: the KV of a token depends on the token,
+    its position and the prefix's last key, like a real model depends on its prefix."""
+
+    def __init__(self, layers: int = 2, heads: int = 2, head_dim: int = 8, s_per_token: float = 0.0):
+        self.layers, self.heads, self.head_dim = layers, heads, head_dim
+        self.s_per_token = s_per_token
+        self.calls: list[tuple[int, int]] = []  # (prefix end, tokens)
+        self._lock = threading.Lock()
+
+    def recompute(self, prefix: KVCache | None, token_ids: list[int]) -> KVCache:
+        start = prefix.end if prefix is not None else 0
+        with self._lock:
+            self.calls.append((start, len(token_ids)))
+        if self.s_per_token:
+            time.sleep(self.s_per_token * len(token_ids))
+        n = len(token_ids)
+        pos = torch.arange(start, start + n, dtype=torch.float32)
+        tok = torch.as_tensor(token_ids, dtype=torch.float32)
+        d = torch.arange(self.head_dim, dtype=torch.float32)
+        layers = []
+        for li in range(self.layers):
+            # each token depends on the mean key of every token before it (as attention would)
+            total = float(prefix.layers[li].k.float().mean(dim=(0, 2)).sum()) if prefix is not None else 0.0
+            base = torch.stack([torch.sin(tok[:, None] * 0.37 * (d + 1) + pos[:, None] * 0.01 + h + li)
+                                for h in range(self.heads)])
+            k = torch.empty_like(base)
+            for t in range(n):
+                ctx = total / (start + t) if start + t else 0.0
+                k[:, t] = base[:, t] + 0.5 * ctx
+                total += float(k[:, t].mean())
+            layers.append(KVLayer(k, torch.cos(base) + 0.5 * k.mean(dim=2, keepdim=True)))
+        return KVCache(layers, start=start)
+
+    def full(self, token_ids: list[int], chunk_tokens: int | None = None) -> KVCache:
+        """KV of all ``token_ids``, computed chunk by chunk as a streaming recompute would."""
+        if not chunk_tokens:
+            return self.recompute(None, token_ids)
+        parts: list[KVCache] = []
+        for a in range(0, len(token_ids), chunk_tokens):
+            prefix = KVCache.concat(parts) if parts else None
+            parts.append(self.recompute(prefix, token_ids[a:a + chunk_tokens]))
+        return KVCache.concat(parts)
+
+
+class FaultyStore:
+    """Wraps a ContextStore; makes chosen chunks fail: ``corrupt``, ``missing``, ``timeout``."""
+
+    def __init__(self, store, faults: dict[int, str] | None = None, timeout_s: float = 0.0):
+        self.store = store
+        self.faults = dict(faults or {})
+        self.timeout_s = timeout_s
+        self.gets: list[tuple[int, int]] = []
+
+    def plan(self, tokens):
+        return self.store.plan(tokens)
+
+    def get(self, ref, level):
+        self.gets.append((ref.index, level))
+        f = self.faults.get(ref.index)
+        if f == "missing":
+            raise ChunkNotFound(f"chunk {ref.index} (injected)")
+        if f == "timeout":
+            time.sleep(self.timeout_s)
+            raise StoreUnavailable(f"timed out fetching chunk {ref.index} (injected)")
+        data = self.store.get(ref, level)
+        if f == "corrupt":
+            b = bytearray(data)
+            b[len(b) // 2] ^= 0xFF
+            return bytes(b)
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)

@@ -1,0 +1,341 @@
+"""The streaming loader: fetch, decode and stitch a stored prefix before a deadline.
+
+Two threads form a pipeline. The *fetch* thread decides each chunk's level (or
+text) with the planner, fetches it through the link and measures throughput;
+the calling thread decodes (the numba decoder releases the GIL) or recomputes
+chunks in order, so chunk ``i + 1`` is on the wire while chunk ``i`` decodes.
+
+Faults: a store timeout or connection loss, a missing chunk, a corrupt payload
+or a decoded chunk whose position or shape does not match the plan stops the
+fetching; that chunk and every later one are recomputed from text on top of
+the good prefix. A chunk that failed is never part of the result.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, Union
+
+import torch
+
+from cachegen.errors import CachegenError, ConfigError, CorruptChunk, LoaderError, StoreError
+from cachegen.kv import KVCache
+from cachegen.stream.costs import TEXT, CostModel
+from cachegen.stream.estimator import ThroughputEstimator
+from cachegen.stream.link import DirectLink
+from cachegen.stream.planner import Choice, PipelineState, PlanChunk, choose_adaptive, choose_rule
+
+Recompute = Callable[[Union[KVCache, None], list], KVCache]
+
+ADAPTIVE = "adaptive"
+RULE = "rule"
+
+
+@dataclass
+class ChunkDecision:
+    """What happened to one chunk (times in seconds since the load began)."""
+
+    index: int
+    start: int
+    end: int
+    choice: Choice  # a level, or "text"
+    bytes: int = 0
+    fetch_s: float = 0.0
+    decode_s: float = 0.0  # decode, or recompute for text
+    est_gbps: float | None = None  # the estimate the choice was made with
+    measured_gbps: float | None = None
+    fetch_start: float | None = None
+    fetch_end: float | None = None
+    decode_start: float | None = None
+    decode_end: float | None = None
+    reason: str = ""  # why text: "planned", "not stored", or the fault
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+@dataclass
+class LoadResult:
+    kv: KVCache | None  # the KV of tokens [0, cached_tokens), or None
+    cached_tokens: int
+    decisions: list[ChunkDecision]
+    slo_s: float | None
+    plan_s: float = 0.0  # store.plan round trip
+    load_s: float = 0.0  # from load() call to the stitched KV (what TTFT adds before the suffix prefill)
+    fetch_s: float = 0.0  # sum over chunks
+    decode_s: float = 0.0
+    recompute_s: float = 0.0
+    stitch_s: float = 0.0
+    faults: list[str] = field(default_factory=list)
+
+    @property
+    def missed(self) -> bool:
+        return self.slo_s is not None and self.load_s > self.slo_s
+
+    @property
+    def choices(self) -> list[Choice]:
+        return [d.choice for d in self.decisions]
+
+    def summary(self) -> str:
+        per = " ".join(f"{d.index}:{'T' if d.choice == TEXT else 'L%d' % d.choice}" for d in self.decisions)
+        return (f"{self.cached_tokens} tokens in {self.load_s:.3f}s (slo {self.slo_s}) "
+                f"fetch {self.fetch_s:.3f}s decode {self.decode_s:.3f}s recompute {self.recompute_s:.3f}s "
+                f"faults {len(self.faults)} | {per}")
+
+    def to_json(self) -> dict:
+        return {
+            "cached_tokens": self.cached_tokens, "slo_s": self.slo_s, "load_s": self.load_s, "plan_s": self.plan_s,
+            "fetch_s": self.fetch_s, "decode_s": self.decode_s, "recompute_s": self.recompute_s,
+            "stitch_s": self.stitch_s, "faults": list(self.faults), "missed": self.missed,
+            "decisions": [d.to_json() for d in self.decisions],
+        }
+
+
+FETCH_FAULTS = (StoreError, CorruptChunk, OSError, TimeoutError, ConnectionError)
+
+
+class StreamingLoader:
+    """Load the cached prefix of a prompt from ``store`` within ``slo_s`` seconds.
+
+    ``store``: has ``plan(tokens) -> [ChunkInfo(ref, sizes)]`` and ``get(ref, level) -> bytes``
+    (a :class:`cachegen.store.ContextStore`). ``codec``: has ``decode(bytes) -> KVCache``.
+    ``recompute(prefix, token_ids) -> KVCache``: the KV of ``token_ids`` after ``prefix``
+    (from the engine). ``policy``: ``"adaptive"``, ``"rule"`` (CacheGen's equal-share rule),
+    a fixed level (int; chunks not stored at it are recomputed), or ``"text"``.
+    ``reserve_s``: time kept back from the SLO for what follows the load (suffix prefill).
+    """
+
+    def __init__(self, store, codec, recompute: Recompute, costs: CostModel | None = None, slo_s: float | None = 1.0,
+                 link=None, policy: Union[str, int] = ADAPTIVE, estimator: ThroughputEstimator | None = None,
+                 levels: Sequence[int] | None = None, prefetch: int = 1, reserve_s: float = 0.0,
+                 safety: float = 0.95, dtype: torch.dtype | None = None, values_per_token: int | None = None, clock: Callable[[], float] = time.perf_counter):
+        if prefetch < 1:
+            raise ConfigError("prefetch must be >= 1")
+        if not (policy in (ADAPTIVE, RULE, TEXT) or isinstance(policy, int)):
+            raise ConfigError(f"unknown policy {policy!r}")
+        self.store, self.codec, self.recompute = store, codec, recompute
+        self.costs = costs or CostModel()
+        self.slo_s = slo_s
+        self.link = link or DirectLink()
+        self.policy = policy
+        self.estimator = estimator or ThroughputEstimator()
+        self.levels = tuple(levels) if levels is not None else None
+        self.prefetch = prefetch
+        self.reserve_s = reserve_s
+        self.safety = safety
+        self.dtype = dtype
+        self.clock = clock
+        self._values_per_token = values_per_token
+        self._cpu_lock = threading.Lock()
+
+    # -- helpers -------------------------------------------------------------
+    def _plan_chunks(self, tokens, num_values_per_token: int | None) -> tuple[list, list[PlanChunk]]:
+        infos = list(self.store.plan(tokens))
+        last = max((i for i, inf in enumerate(infos) if inf.sizes), default=-1)
+        infos = infos[: last + 1]
+        vpt = num_values_per_token or self._values_per_token
+        chunks = [PlanChunk(inf.ref.index, inf.ref.start, inf.ref.end - inf.ref.start,
+                            (inf.ref.end - inf.ref.start) * (vpt or 0),
+                            {l: s for l, s in inf.sizes.items() if self.levels is None or l in self.levels})
+                  for inf in infos]
+        return infos, chunks
+
+    _values_per_token: int | None = None  # learnt from the first decoded chunk
+
+    def _choose(self, i: int, chunks: list[PlanChunk], deadline: float, cpu_busy: float) -> tuple[Choice, float]:
+        ch = chunks[i]
+        if not ch.sizes or self.policy == TEXT:
+            return TEXT, self.estimator.estimate()
+        if isinstance(self.policy, int):
+            return (self.policy if self.policy in ch.sizes else TEXT), self.estimator.estimate()
+        if self.slo_s is None:
+            return min(ch.sizes), self.estimator.estimate()
+        if self.policy == RULE:
+            g = self.estimator.last()
+            share = max(self.slo_s - self.reserve_s, 0.0) / len(chunks)
+            return choose_rule(ch, share, g, self.costs, self.levels), g
+        g = self.estimator.estimate()
+        tail = self.estimator.harmonic_mean()
+        now = self.clock()
+        st = PipelineState(time_left_s=deadline - now, cpu_busy_s=cpu_busy)
+        pred = choose_adaptive(chunks[i:], g, self.costs, st, self.levels, tail_gbps=min(g, tail), safety=self.safety)
+        return pred.choice, g
+
+    def _check(self, kv: KVCache, ref, like: KVCache | None) -> None:
+        if kv.start != ref.start or kv.num_tokens != ref.end - ref.start:
+            raise CorruptChunk(f"chunk {ref.index} decoded to tokens [{kv.start}, {kv.end}), "
+                               f"expected [{ref.start}, {ref.end})")
+        if like is not None and not like.same_layout(kv):
+            raise CorruptChunk(f"chunk {ref.index} has a different layout from the chunks before it")
+
+    # -- the load ------------------------------------------------------------
+    def load(self, tokens: Sequence[int], slo_s: float | None = None, t0: float | None = None) -> LoadResult:
+        """The KV of the longest cached prefix of ``tokens`` (``kv=None`` when nothing is cached)."""
+        t0 = self.clock() if t0 is None else t0
+        slo = self.slo_s if slo_s is None else slo_s
+        saved_slo, self.slo_s = self.slo_s, slo
+        try:
+            return self._load(list(tokens), slo, t0)
+        finally:
+            self.slo_s = saved_slo
+
+    def _load(self, tokens: list, slo: float | None, t0: float) -> LoadResult:
+        faults: list[str] = []
+        try:
+            infos, chunks = self._plan_chunks(tokens, None)
+        except FETCH_FAULTS as e:
+            infos, chunks = [], []
+            faults.append(f"plan: {type(e).__name__}: {e}")
+        plan_s = self.clock() - t0
+        res = LoadResult(None, 0, [], slo, plan_s=plan_s, faults=faults)
+        if not chunks:
+            res.load_s = self.clock() - t0
+            return res
+        deadline = t0 + (slo - self.reserve_s if slo is not None else float("inf"))
+        n = len(chunks)
+        decisions = [ChunkDecision(c.index, c.start, c.start + c.num_tokens, TEXT) for c in chunks]
+        q: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        # predicted compute work: (end of the item being processed, predicted costs of queued items)
+        cpu = {"busy_until": t0, "queued": 0.0}
+        self.link.begin()
+
+        def cpu_busy() -> float:
+            with self._cpu_lock:
+                return max(cpu["busy_until"] - self.clock(), 0.0) + cpu["queued"]
+
+        def predicted(i: int, choice: Choice) -> float:
+            c = chunks[i]
+            if choice == TEXT:
+                return self.costs.recompute_s(c.start, c.num_tokens)
+            return self.costs.decode_s(choice, c.num_values or 1)
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def fetcher() -> None:
+            try:
+                for i in range(n):
+                    if stop.is_set():
+                        return
+                    choice, est = self._choose(i, chunks, deadline, cpu_busy())
+                    d = decisions[i]
+                    d.choice, d.est_gbps = choice, est
+                    if choice == TEXT:
+                        d.reason = "not stored" if not chunks[i].sizes else "planned"
+                        with self._cpu_lock:
+                            cpu["queued"] += predicted(i, choice)
+                        if not put(("text", i, None)):
+                            return
+                        continue
+                    ref = infos[i].ref
+                    d.fetch_start = self.clock() - t0
+                    try:
+                        data = self.link.fetch(self.store.get, ref, choice)
+                    except FETCH_FAULTS as e:
+                        d.fetch_end = self.clock() - t0
+                        put(("fault", i, f"chunk {i} level {choice}: {type(e).__name__}: {e}"))
+                        return
+                    d.fetch_end = self.clock() - t0
+                    d.fetch_s = d.fetch_end - d.fetch_start
+                    d.bytes = len(data)
+                    d.measured_gbps = self.estimator.add(len(data), d.fetch_s)
+                    with self._cpu_lock:
+                        cpu["queued"] += predicted(i, choice)
+                    if not put(("data", i, data)):
+                        return
+            except BaseException as e:  # a bug must not hang the consumer
+                put(("fault", -1, f"fetch thread: {type(e).__name__}: {e}"))
+
+        th = threading.Thread(target=fetcher, name="cachegen-fetch", daemon=True)
+        th.start()
+        parts: list[KVCache] = []
+        fault_at: int | None = None
+        try:
+            for i in range(n):
+                kind, j, payload = q.get()
+                d = decisions[i]
+                if kind == "fault":
+                    fault_at = i
+                    faults.append(payload)
+                    break
+                assert j == i, (j, i)
+                with self._cpu_lock:
+                    cost = predicted(i, d.choice)
+                    cpu["queued"] = max(cpu["queued"] - cost, 0.0)
+                    cpu["busy_until"] = self.clock() + cost
+                d.decode_start = self.clock() - t0
+                ref = infos[i].ref
+                try:
+                    if kind == "text":
+                        kv = self._recompute(parts, tokens[ref.start:ref.end])
+                    else:
+                        kv = self.codec.decode(payload)
+                    self._check(kv, ref, parts[0] if parts else None)
+                except (CachegenError, ValueError, RuntimeError) as e:
+                    if kind == "text":
+                        raise
+                    d.decode_end = self.clock() - t0
+                    d.decode_s = d.decode_end - d.decode_start
+                    fault_at = i
+                    faults.append(f"chunk {i} level {d.choice}: {type(e).__name__}: {e}")
+                    break
+                d.decode_end = self.clock() - t0
+                d.decode_s = d.decode_end - d.decode_start
+                if self._values_per_token is None and kv.num_tokens:
+                    self._values_per_token = kv.num_values // kv.num_tokens
+                parts.append(kv)
+        finally:
+            stop.set()
+            while True:  # unblock the fetcher
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    break
+            th.join(timeout=10)
+        if fault_at is not None:
+            a = chunks[fault_at].start
+            b = chunks[-1].start + chunks[-1].num_tokens
+            t = self.clock()
+            kv = self._recompute(parts, tokens[a:b])
+            dt = self.clock() - t
+            if kv.start != a or kv.end != b:
+                raise LoaderError(f"recompute returned tokens [{kv.start}, {kv.end}), expected [{a}, {b})")
+            parts.append(kv)
+            for k in range(fault_at, n):
+                d = decisions[k]
+                d.choice, d.bytes = TEXT, 0
+                d.reason = "fault" if k == fault_at else "after fault"
+                d.decode_start, d.decode_end, d.decode_s = t - t0, t - t0 + dt, dt * chunks[k].num_tokens / (b - a)
+        t = self.clock()
+        full = self._stitch(parts)
+        res.stitch_s = self.clock() - t
+        res.kv = full
+        res.cached_tokens = full.end
+        res.decisions = decisions
+        res.fetch_s = sum(d.fetch_s for d in decisions)
+        res.decode_s = sum(d.decode_s for d in decisions if d.choice != TEXT)
+        res.recompute_s = sum(d.decode_s for d in decisions if d.choice == TEXT)
+        res.load_s = self.clock() - t0
+        return res
+
+    def _stitch(self, parts: list[KVCache]) -> KVCache:
+        dtype = self.dtype or parts[0].dtype
+        return KVCache.concat([p if p.dtype == dtype else p.to(dtype) for p in parts])
+
+    def _recompute(self, parts: list[KVCache], token_ids: list) -> KVCache:
+        prefix = self._stitch(parts) if parts else None
+        kv = self.recompute(prefix, list(token_ids))
+        start = prefix.end if prefix is not None else 0
+        if kv.start != start or kv.num_tokens != len(token_ids):
+            raise LoaderError(f"recompute returned tokens [{kv.start}, {kv.end}), expected [{start}, {start + len(token_ids)})")
+        return kv

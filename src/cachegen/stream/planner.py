@@ -1,0 +1,171 @@
+"""Per-chunk choice of a quality level (or recompute from text): pure functions.
+
+The loader is a two-stage pipeline: a network stage fetches chunk payloads in
+order, and a compute stage decodes them (or recomputes a chunk from its text,
+which needs every chunk before it). :func:`simulate` predicts when the compute
+stage finishes for a list of choices; the adaptive policy picks, for the next
+chunk, the highest-quality level such that the remaining chunks can still
+finish by the deadline at their cheapest option. Time left is measured against
+the absolute deadline, so time a chunk did not use is carried forward.
+
+Quality order: a lower level number is better (``0`` = lossless, ``1`` = best
+lossy, ... ``N`` = most aggressive). Text (recompute) is exact, so it is taken
+whenever it finishes the chunk sooner than fetching the chosen level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence, Union
+
+from cachegen.stream.costs import TEXT, CostModel
+
+Choice = Union[int, str]  # a level, or TEXT
+
+
+@dataclass(frozen=True)
+class PlanChunk:
+    """What the planner knows about one chunk before fetching it."""
+
+    index: int
+    start: int  # first token position (= prefix length a recompute would need)
+    num_tokens: int
+    num_values: int  # K and V values over all layers
+    sizes: Mapping[int, int]  # payload bytes per stored level
+
+
+@dataclass
+class PipelineState:
+    """Where the pipeline stands when the next chunk is decided (seconds from now)."""
+
+    time_left_s: float  # until the deadline (may be negative)
+    cpu_busy_s: float = 0.0  # predicted compute work already committed
+    net_busy_s: float = 0.0  # predicted network work already committed
+
+
+@dataclass
+class Prediction:
+    choice: Choice
+    finish_s: float  # predicted end of this chunk's compute, from now
+    total_s: float  # predicted end of all remaining chunks (with the cheapest tail)
+    fits: bool
+
+
+def chunk_costs(chunk: PlanChunk, choice: Choice, gbps: float, costs: CostModel) -> tuple[float, float]:
+    """(network seconds, compute seconds) of one chunk under one choice."""
+    if choice == TEXT:
+        return 0.0, costs.recompute_s(chunk.start, chunk.num_tokens)
+    return costs.fetch_s(chunk.sizes[choice], gbps), costs.decode_s(choice, chunk.num_values)
+
+
+def _step(net: float, cpu: float, chunk: PlanChunk, choice: Choice, gbps: float, costs: CostModel) -> tuple[float, float]:
+    n, c = chunk_costs(chunk, choice, gbps, costs)
+    if choice == TEXT:
+        return net, cpu + c
+    net = net + n
+    return net, max(cpu, net) + c
+
+
+def simulate(chunks: Sequence[PlanChunk], choices: Sequence[Choice], gbps: float, costs: CostModel,
+             state: PipelineState | None = None) -> float:
+    """Predicted seconds from now until the last chunk's compute ends."""
+    st = state or PipelineState(0.0)
+    net, cpu = st.net_busy_s, st.cpu_busy_s
+    for ch, c in zip(chunks, choices):
+        net, cpu = _step(net, cpu, ch, c, gbps, costs)
+    return cpu
+
+
+def options(chunk: PlanChunk, allowed: Sequence[int] | None = None, text: bool = True) -> list[Choice]:
+    """Stored levels, best quality first, then TEXT."""
+    lv = sorted(l for l in chunk.sizes if allowed is None or l in allowed)
+    return [*lv, TEXT] if text else lv
+
+
+def cheapest_tail(chunks: Sequence[PlanChunk], gbps: float, costs: CostModel, net: float, cpu: float,
+                  allowed: Sequence[int] | None = None) -> tuple[float, float, list[Choice]]:
+    """Greedy: each chunk takes the option that ends its compute soonest."""
+    picks: list[Choice] = []
+    for ch in chunks:
+        best = None
+        for o in options(ch, allowed):
+            n2, c2 = _step(net, cpu, ch, o, gbps, costs)
+            if best is None or (c2, n2) < (best[1], best[0]):
+                best = (n2, c2, o)
+        net, cpu = best[0], best[1]
+        picks.append(best[2])
+    return net, cpu, picks
+
+
+def tail_at(chunks: Sequence[PlanChunk], level: Choice, gbps: float, costs: CostModel, net: float, cpu: float,
+            allowed: Sequence[int] | None = None) -> float:
+    """Compute end when every chunk takes ``level`` (a chunk without it: its fastest option)."""
+    for ch in chunks:
+        if level in ch.sizes or level == TEXT:
+            net, cpu = _step(net, cpu, ch, level, gbps, costs)
+        else:
+            net, cpu, _ = cheapest_tail([ch], gbps, costs, net, cpu, allowed)
+    return cpu
+
+
+def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostModel, state: PipelineState,
+                    allowed: Sequence[int] | None = None, tail_gbps: float | None = None,
+                    safety: float = 1.0) -> Prediction:
+    """Choice for ``remaining[0]``, the next chunk to fetch.
+
+    The best level that every remaining chunk could take and still end by the
+    deadline (an even plan keeps slack for later drops; time saved is carried
+    forward and raises later chunks' levels); failing that, the best level for
+    this chunk with the remaining chunks at their fastest option; failing that,
+    the fastest option. Text instead, when it ends this chunk sooner and fits.
+    ``gbps`` predicts this chunk's fetch, ``tail_gbps`` (default ``gbps``) the
+    later ones'. The plan must end within ``safety * time_left_s``.
+    """
+    if not remaining:
+        raise ValueError("no chunk to plan")
+    head, tail = remaining[0], remaining[1:]
+    tg = gbps if tail_gbps is None else tail_gbps
+    budget = state.time_left_s * safety
+    heads = {}
+    for o in options(head, allowed):
+        heads[o] = _step(state.net_busy_s, state.cpu_busy_s, head, o, gbps, costs)
+    text_net, text_cpu = heads[TEXT]
+    levels = [o for o in heads if o != TEXT]
+
+    def pred(o: Choice, total: float) -> Prediction:
+        return Prediction(o, heads[o][1], total, total <= budget)
+
+    # 1. an even plan
+    for o in levels:
+        total = tail_at(tail, o, tg, costs, *heads[o], allowed)
+        if total <= budget:
+            if text_cpu <= heads[o][1]:
+                tt = tail_at(tail, o, tg, costs, text_net, text_cpu, allowed)
+                if tt <= budget:
+                    return pred(TEXT, tt)
+            return pred(o, total)
+    # 2. this chunk as good as possible, the rest as fast as possible
+    fastest: list[Prediction] = []
+    for o in [*levels, TEXT]:
+        _, total, _ = cheapest_tail(tail, tg, costs, *heads[o], allowed)
+        fastest.append(pred(o, total))
+    text = fastest[-1]
+    for p in fastest[:-1]:
+        if p.fits:
+            return text if text.fits and text.finish_s <= p.finish_s else p
+    if text.fits:
+        return text
+    # 3. nothing fits: finish as soon as possible
+    return min(fastest, key=lambda p: (p.total_s, p.finish_s))
+
+
+def choose_rule(chunk: PlanChunk, share_s: float, gbps: float, costs: CostModel,
+                allowed: Sequence[int] | None = None) -> Choice:
+    """CacheGen's rule: the chunk gets ``share_s`` (deadline / chunks); the best level whose
+    transfer fits it at the last measured throughput (decoding overlaps the next transfer),
+    else text."""
+    for o in options(chunk, allowed, text=False):
+        n, _ = chunk_costs(chunk, o, gbps, costs)
+        if n <= share_s:
+            return o
+    return TEXT

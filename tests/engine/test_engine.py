@@ -1,0 +1,84 @@
+"""The engine end to end on SmolLM2: ingest, stream back, answer; faults fall back to recompute."""
+
+import pytest
+import torch
+
+from cachegen import corpus
+from cachegen.engine.engine import Engine
+from cachegen.engine.prefill import prefill
+from cachegen.store import ContextStore, open_backend
+from cachegen.stream import TEXT, CostModel, ThrottledLink, constant
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("store")
+    eng = Engine.open("smollm2-135m", f"file://{root}", levels=(1, 4, 7), progress=False, dtype=torch.float32)
+    eng._costs = CostModel()  # defaults: the tests check behaviour, not timing
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def case(engine):
+    return corpus.needle_case(engine.tokenizer, 600, seed=5)
+
+
+def test_ingest_is_idempotent(engine, case):
+    first = engine.ingest(case.context_ids)
+    assert first.tokens == len(case.context_ids)
+    assert first.chunks == -(-len(case.context_ids) // 256)
+    assert first.written == first.chunks
+    again = engine.ingest(case.context_ids)
+    assert again.written == 0
+    assert engine.store.lookup(case.context_ids) == len(case.context_ids)
+    sizes = [i.sizes for i in engine.store.plan(case.context_ids)]
+    assert all(s[1] > s[4] > s[7] for s in sizes)
+
+
+def test_stream_back_and_answer(engine, case):
+    engine.ingest(case.context_ids)
+    exact = prefill(engine.model, case.context_ids)
+    res = engine.load(case.context_ids, slo_s=None)  # no deadline: the best level everywhere
+    assert res.cached_tokens == len(case.context_ids) and not res.faults
+    assert res.choices == [1] * len(res.decisions)
+    err = max((a.k - b.k).abs().max().item() for a, b in zip(res.kv.layers, exact.layers))
+    scale = max(a.k.abs().max().item() for a in exact.layers)
+    assert 0 < err < 0.05 * scale
+    gen = engine.generate(case.context_ids, case.question_ids, max_new_tokens=8, slo_s=None)
+    assert gen.cached_tokens == len(case.context_ids)
+    assert corpus.is_correct(gen.text, case), gen.text
+    ref = engine.generate(case.context_ids, case.question_ids, max_new_tokens=8, use_cache=False)
+    assert ref.cached_tokens == 0 and corpus.is_correct(ref.text, case)
+
+
+def test_tight_deadline_picks_smaller_levels(engine, case):
+    engine.ingest(case.context_ids)
+    sizes = engine.store.plan(case.context_ids)
+    best = sum(i.sizes[1] for i in sizes) * 8 / 1e9  # seconds at 1 Gbps
+    link = ThrottledLink(constant(1.0))
+    loose = engine.load(case.context_ids, slo_s=50 * best + 5, link=link)
+    tight = engine.load(case.context_ids, slo_s=0.6 * best, link=link)
+    assert all(c == 1 for c in loose.choices[1:])
+    assert any(c in (4, 7) for c in tight.choices[1:])
+
+
+def test_corrupt_store_falls_back_to_exact_recompute(engine, case, tmp_path):
+    store = ContextStore(open_backend(f"file://{tmp_path}"), engine.store.namespace, engine.codec, levels=(1, 7))
+    bad = Engine(engine.lm, store, engine.codec, CostModel())
+    bad.ingest(case.context_ids)
+    blobs = [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
+    assert len(blobs) == 2 * len(store.plan(case.context_ids))
+    for f in blobs:  # damage every payload: every chunk must be recomputed
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    res = bad.load(case.context_ids, slo_s=None)
+    assert res.faults
+    assert all(c == TEXT for c in res.choices)
+    exact = prefill(engine.model, case.context_ids)
+    for a, b in zip(res.kv.layers, exact.layers):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    store.backend.close()

@@ -1,0 +1,31 @@
+"""The real shaped link (root, ip netns, tc, redis-server); skipped where unavailable."""
+
+import time
+
+import pytest
+
+from cachegen.stream.netns import available
+
+ok, why = available()
+pytestmark = [pytest.mark.redis, pytest.mark.skipif(not ok, reason=f"netns link unavailable: {why}")]
+
+
+def test_netns_redis_rate_and_loader(tmp_path):
+    from cachegen.store import ContextStore, Namespace, open_backend
+    from cachegen.stream import StreamingLoader, step
+    from cachegen.stream.fakes import ToyCodec, ToyModel
+    from cachegen.stream.netns import NetnsLink, NetnsRedis
+
+    with NetnsRedis(gbps=1.0, port=6397) as n:
+        model, codec = ToyModel(heads=4, head_dim=64), ToyCodec()
+        tokens = list(range(4 * 64))
+        kv = model.full(tokens, 64)
+        store = ContextStore(open_backend(n.url), Namespace("toy", 1, "netns"), codec, chunk_tokens=64)
+        store.put_context(tokens, kv, levels=[0])
+        link = NetnsLink(n, step(4, before=1.0, after=0.01))  # 10 Mbit/s from chunk 2
+        res = StreamingLoader(store, codec, model.recompute, policy=0, link=link).load(tokens)
+        assert res.choices == [0] * 4 and not res.faults
+        assert n.gbps == 0.01
+        # the tc change took effect (chunk 2 partly rides on the tbf burst)
+        assert res.decisions[3].measured_gbps < 0.03 < res.decisions[0].measured_gbps
+        store.backend.close()

@@ -1,0 +1,112 @@
+import math
+
+from hypothesis import given, settings, strategies as st
+
+from cachegen.stream.costs import TEXT, CostModel
+from cachegen.stream.estimator import ThroughputEstimator
+from cachegen.stream.planner import (PipelineState, PlanChunk, chunk_costs, choose_adaptive, choose_rule, simulate,
+                                     cheapest_tail, tail_at)
+
+COSTS = CostModel(decode_s_per_mvalue={}, decode_s_per_mvalue_default=0.002, decode_fixed_s=0.001,
+                  recompute_fixed_s=0.01, recompute_s_per_token=1e-3, recompute_s_per_token_ctx=1e-7,
+                  fetch_latency_s=0.0)
+VPT = 11520  # SmolLM2 values per token
+
+
+def chunks(n=8, tokens=256, bits=(8.0, 5.0, 3.5, 2.5)):
+    return [PlanChunk(i, i * tokens, tokens, tokens * VPT,
+                      {l + 1: int(tokens * VPT * b / 8) for l, b in enumerate(bits)}) for i in range(n)]
+
+
+def test_generous_deadline_picks_best_level():
+    p = choose_adaptive(chunks(), 10.0, COSTS, PipelineState(time_left_s=100.0))
+    assert p.choice == 1 and p.fits
+
+
+def test_tight_deadline_picks_lower_quality():
+    cs = chunks()
+    # at 1 Gbps level 1 (2.9 MB/chunk) takes ~24 ms per chunk -> 8 chunks ~ 0.19 s
+    best = choose_adaptive(cs, 1.0, COSTS, PipelineState(time_left_s=1.0)).choice
+    tight = choose_adaptive(cs, 1.0, COSTS, PipelineState(time_left_s=0.12)).choice
+    assert best == 1
+    assert tight == 3  # 8 chunks x 3.5 bits/value ~ 0.104 s; 5 bits ~ 0.148 s
+
+
+def test_bandwidth_collapse_falls_back_to_text():
+    cs = chunks(n=2)
+    p = choose_adaptive(cs, 0.0001, COSTS, PipelineState(time_left_s=2.0))
+    assert p.choice == TEXT
+
+
+def test_text_when_faster_than_fetch_even_if_level_fits():
+    cs = chunks(n=1)
+    # 0.5 Mbps: even level 4 takes ~12 s; recompute 256 tokens ~0.27 s
+    p = choose_adaptive(cs, 0.0005, COSTS, PipelineState(time_left_s=100.0))
+    assert p.choice == TEXT
+
+
+def test_rule_equal_share():
+    c = chunks(n=1)[0]
+    assert choose_rule(c, 1.0, 10.0, COSTS) == 1
+    assert choose_rule(c, 0.0, 10.0, COSTS) == TEXT
+    n4, c4 = chunk_costs(c, 4, 1.0, COSTS)
+    assert choose_rule(c, n4 + 1e-6, 1.0, COSTS) == 4
+
+
+def test_simulate_overlaps_fetch_and_decode():
+    cs = chunks(n=4)
+    t = simulate(cs, [1] * 4, 1.0, COSTS)
+    f, d = chunk_costs(cs[0], 1, 1.0, COSTS)
+    assert math.isclose(t, 4 * f + d, rel_tol=1e-9)  # network-bound: decode hides behind fetch
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 10), gbps=st.floats(0.001, 20), left=st.floats(-1, 5), busy=st.floats(0, 1),
+       bits=st.lists(st.floats(0.5, 16), min_size=1, max_size=5))
+def test_choice_respects_budget(n, gbps, left, busy, bits):
+    cs = chunks(n=n, bits=tuple(bits))
+    state = PipelineState(time_left_s=left, cpu_busy_s=busy)
+    p = choose_adaptive(cs, gbps, COSTS, state)
+    fits = {}
+    for o in [*sorted(cs[0].sizes), TEXT]:
+        _, tot, _ = cheapest_tail(cs[1:], gbps, COSTS, *_after(cs[0], o, gbps, state))
+        fits[o] = tot <= left
+    if any(fits.values()):
+        # never a plan that misses when one that meets the deadline exists
+        assert p.fits and p.total_s <= left
+        even = {o: tail_at(cs[1:], o, gbps, COSTS, *_after(cs[0], o, gbps, state)) <= left for o in sorted(cs[0].sizes)}
+        if p.choice != TEXT and any(even.values()):
+            # the best level an even plan allows
+            assert p.choice == min(o for o, ok in even.items() if ok)
+    else:
+        # nothing fits: the fastest plan
+        assert p.total_s <= min(cheapest_tail(cs[1:], gbps, COSTS, *_after(cs[0], o, gbps, state))[1]
+                                for o in fits) + 1e-12
+
+
+def _after(c, o, gbps, state):
+    n, d = chunk_costs(c, o, gbps, COSTS)
+    if o == TEXT:
+        return state.net_busy_s, state.cpu_busy_s + d
+    net = state.net_busy_s + n
+    return net, max(state.cpu_busy_s, net) + d
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0.05, 50), min_size=1, max_size=20), st.floats(0.001, 0.5))
+def test_estimator_reacts_to_drop_within_one_sample(history, drop_factor):
+    e = ThroughputEstimator(window=5, min_bytes=0)
+    for g in history:
+        e.add_gbps(g)
+    low = min(history) * drop_factor
+    e.add_gbps(low)
+    assert e.estimate() <= low * (1 + 1e-9)
+
+
+def test_estimator_rise_is_gradual_and_prior():
+    e = ThroughputEstimator(window=4, prior_gbps=2.0, min_bytes=1000)
+    assert e.estimate() == 2.0
+    assert e.add(10, 1.0) is None  # too small to count
+    e.add(125_000_000, 1.0)  # 1 Gbps
+    e.add(1_250_000_000, 1.0)  # 10 Gbps
+    assert 1.0 < e.estimate() < 10.0
