@@ -82,3 +82,38 @@ def test_corrupt_store_falls_back_to_exact_recompute(engine, case, tmp_path):
     for a, b in zip(res.kv.layers, exact.layers):
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
     store.backend.close()
+
+
+def test_http_server(engine, case):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from cachegen.engine.server import CacheGenServer, serve_in_thread
+
+    srv = CacheGenServer(engine, port=0)
+    serve_in_thread(srv)
+
+    def post(path, obj):
+        req = urllib.request.Request(srv.url + path, data=json.dumps(obj).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    try:
+        with urllib.request.urlopen(srv.url + "/health", timeout=10) as r:
+            assert json.loads(r.read())["ok"] is True
+        ing = post("/ingest", {"tokens": case.context_ids})
+        assert ing["tokens"] == len(case.context_ids)
+        out = post("/generate", {"context_tokens": case.context_ids, "question_tokens": case.question_ids,
+                                 "max_new_tokens": 8, "slo_s": None})
+        assert out["cached_tokens"] == len(case.context_ids)
+        assert corpus.is_correct(out["text"], case), out
+        assert out["levels"] and out["ttft_s"] > 0
+        for bad in ({"context": 5, "question": "x"}, {"context": "a", "question": "b", "max_new_tokens": -1}):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                post("/generate", bad)
+            assert e.value.code == 400
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cachegen.bench.cli import register as register_bench
     from cachegen.cli.demo import register as register_demo
     from cachegen.cli.models import register as register_models
+    from cachegen.cli.serve import register as register_serve
     from cachegen.cli.store import register as register_store
 
     p = argparse.ArgumentParser(prog="cachegen", description="Compress, store and stream LLM KV caches.")
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_models(sub)
     register_store(sub)
     register_bench(sub)
+    register_serve(sub)
     return p
 
 
