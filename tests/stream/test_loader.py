@@ -201,3 +201,26 @@ def test_real_codec_through_local_store(tmp_path):
         assert_same(res.kv, KVCache.concat([good, model.recompute(good, tokens[CHUNK:])]))
     finally:
         store.backend.close()
+
+
+def test_cold_estimator_probes_then_persists_across_loads(setup):
+    model, codec, store, tokens, kv = setup
+    est = ThroughputEstimator(min_bytes=0)  # no prior: cold
+    loader = StreamingLoader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
+                             slo_s=5.0, costs=CostModel(fetch_latency_s=0.0))
+    first = loader.load(tokens)
+    sizes = store.plan(tokens)[0].sizes
+    assert first.choices[0] == min(sizes, key=lambda l: (sizes[l], -l))  # the smallest payload: a probe
+    assert first.choices[1] == 0  # then measured: lossless fits
+    again = StreamingLoader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
+                            slo_s=5.0, costs=CostModel(fetch_latency_s=0.0)).load(tokens)
+    assert again.choices[0] == 0  # the estimate carried over: no probe
+
+
+def test_rule_after_text_probes_in_loader(setup):
+    model, codec, store, tokens, kv = setup
+    est = ThroughputEstimator(prior_gbps=1e-6, min_bytes=0)  # believed far too slow: text first
+    res = StreamingLoader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
+                          policy="rule", slo_s=1.0, costs=CostModel(fetch_latency_s=0.0)).load(tokens)
+    assert res.choices[0] == TEXT and res.choices[1] != TEXT  # not stranded on text
+    assert TEXT not in res.choices[2:], res.choices

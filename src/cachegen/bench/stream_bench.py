@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -71,63 +70,126 @@ def kl_nats(logits: torch.Tensor, ref: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
+QUICK = {"context_tokens": 1024, "runs": 2, "sim_runs": 50,
+         "methods": ("adaptive", "cachegen-rule", "cachegen-L7", "uniform8", "recompute")}
+SIM_METHODS = ("adaptive", "cachegen-rule")  # plus cachegen-L<n>: the ones the cost model knows
+
+
+def _slo_value(slo, chunks, levels, traces, costs, reserve: float, log) -> float:
+    """``auto``: every chunk at the median level at the traces' median bandwidth (+ reserve + 50 ms);
+    ``fastest[:M]``: every chunk at the most aggressive level at the median bandwidth, plus
+    the reserve, times ``1 + M`` (default 0.25); a number: itself."""
+    if not isinstance(slo, str):
+        return float(slo)
+    med_bw = statistics.median(g for tr in traces for _, g in tr.points)
+    n = len(chunks)
+    if slo == "auto":
+        lv = levels[len(levels) // 2]
+        v = round(simulate(chunks, [lv] * n, med_bw, costs) + reserve + 0.05, 3)
+        log(f"[stream] slo auto = {v:.3f}s (L{lv} at {med_bw:.2f} Gbps + reserve + 50 ms)")
+        return v
+    if slo.startswith("fastest"):
+        _, _, m = slo.partition(":")
+        margin = float(m) if m else 0.25
+        lv = levels[-1]
+        v = round((simulate(chunks, [lv] * n, med_bw, costs) + reserve) * (1 + margin), 3)
+        log(f"[stream] slo {slo} = {v:.3f}s ((L{lv} at {med_bw:.2f} Gbps + reserve) x {1 + margin:g})")
+        return v
+    return float(slo)
+
+
 def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: float | str = "auto", runs: int = 10,
                      context_tokens: int = 4096, json_path: str | None = None, link: str = "inproc", gbps: float = 0.1,
-                     methods: Sequence[str] | None = None, dtype: str = "float32", seed: int = 0,
-                     log: Callable[[str], None] = print) -> list[dict]:
+                     methods: Sequence[str] | None = None, dtype: str = "bfloat16", seed: int = 0,
+                     log: Callable[[str], None] = print, sim_runs: int = 0, quick: bool = False,
+                     store_dir: str | None = None) -> list[dict]:
+    """Run the bench; returns the rows (and writes ``json_path``).
+
+    ``runs``: wall-clock loads per method (through ``link``: ``inproc`` or ``netns``).
+    ``sim_runs``: additional virtual-time loads per cachegen method (:mod:`cachegen.stream.sim`,
+    rows with ``timing="virtual"``). ``quick``: a small configuration for ``cachegen bench all``
+    (1K-token context, 2 wall runs, 50 virtual runs, five methods; a few minutes cold, ~1 min warm).
+    The encoded context is kept in a persistent store (``$CACHEGEN_HOME/bench-store``), so
+    only the first call encodes.
+    """
     from transformers.utils import logging as hf_logging
 
+    from cachegen import paths
     from cachegen.codec import LEVELS, Codec, load_or_calibrate
     from cachegen.codec.container import FORMAT_VERSION
     from cachegen.corpus import take_tokens, text
     from cachegen.engine.models import load_model
     from cachegen.engine.prefill import continue_from, prefill
+    from cachegen.store.backend import ChunkWrite
+    from cachegen.store.keys import token_bytes
+    from cachegen.stream.sim import simulate_load
 
+    if quick:
+        context_tokens, runs, sim_runs = QUICK["context_tokens"], min(runs, QUICK["runs"]), QUICK["sim_runs"]
+        methods = list(methods or QUICK["methods"])
     hf_logging.disable_progress_bar()
     t_setup = time.perf_counter()
-    lm = load_model(model, dtype=getattr(torch, dtype), progress=False)
+    lm = load_model(model, progress=False)  # fp32: the codec profile is calibrated in fp32 (as the Engine does)
+    profile = load_or_calibrate(lm)
     m, tok = lm.model, lm.tokenizer
+    if dtype != "float32":
+        m.to(getattr(torch, dtype))
     src = text("pydoc-eval") if "pydoc-eval" in _sources() else text(_sources()[0])
     ids = tok(take_tokens(tok, src, context_tokens + TAIL_TOKENS + CONT_TOKENS + 64), add_special_tokens=False)["input_ids"]
     ctx, tail = ids[:context_tokens], ids[context_tokens:context_tokens + TAIL_TOKENS]
     cont = ids[context_tokens:context_tokens + TAIL_TOKENS + CONT_TOKENS]
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
 
     def recompute(prefix: KVCache | None, token_ids: list[int]) -> KVCache:
         return prefill(m, token_ids, prefix=prefix)
 
-    log(f"[stream] prefill {len(ctx)} context tokens")
+    log(f"[stream] prefill {len(ctx)} context tokens ({dtype})")
     exact = prefill(m, ctx)
     ref_logits = continue_from(m, exact, cont).logits
-    profile = load_or_calibrate(lm)
     codec = Codec(profile)
     levels = tuple(LEVELS)
-    tmp = tempfile.TemporaryDirectory(prefix="cg-stream-bench-")
+    # a persistent, content-addressed store: only the first call encodes
+    sdir = Path(store_dir) if store_dir else paths.subdir("bench-store")
+    file_backend = open_backend(f"file://{sdir}")
+    ns = Namespace(f"{lm.fingerprint}-{dtype}", FORMAT_VERSION, profile.id)
+    specs = {"cachegen": (ns, codec, levels)}
+    for name, c in _baseline_codecs().items():
+        specs[name] = (Namespace(f"{lm.fingerprint}-{dtype}", 1, f"baseline-{name}"), _Fixed(c), (0,))
+    t = time.perf_counter()
+    for name, (nsp, cdc, lv) in specs.items():
+        ContextStore(file_backend, nsp, cdc, chunk_tokens=CHUNK_TOKENS).put_context(ctx, exact, levels=lv)
+    log(f"[stream] store {sdir}: ready in {time.perf_counter() - t:.1f}s")
     netns = None
+    backend = file_backend
     if link == "netns":
         from cachegen.stream.netns import NetnsRedis, available
 
         ok, why = available()
+        if ok:
+            try:
+                netns = NetnsRedis(gbps=10.0, port=6395).start()
+                backend = open_backend(netns.url)
+            except Exception as e:  # noqa: BLE001 - fall back, and say so
+                ok, why = False, f"{type(e).__name__}: {e}"
+                if netns is not None:
+                    netns.close()
+                netns = None
         if not ok:
             log(f"[stream] netns link unavailable ({why}); using the in-process throttle")
             link = "inproc"
-        else:
-            netns = NetnsRedis(gbps=1.0, port=6395).start()
-    url = netns.url if netns else f"file://{tmp.name}/store"
-    stores: dict[str, tuple[ContextStore, object, tuple]] = {}
-    backend = open_backend(url)
-    ns = Namespace(lm.fingerprint, FORMAT_VERSION, profile.id)
-    st = ContextStore(backend, ns, codec, chunk_tokens=CHUNK_TOKENS)
-    log(f"[stream] encoding {len(ctx)} tokens at levels {levels}")
-    st.put_context(ctx, exact, levels=levels)
-    stores["cachegen"] = (st, codec, levels)
-    for name, c in _baseline_codecs().items():
-        w = _Fixed(c)
-        s2 = ContextStore(backend, Namespace(lm.fingerprint, 1, f"baseline-{name}"), w, chunk_tokens=CHUNK_TOKENS)
-        s2.put_context(ctx, exact, levels=(0,))
-        stores[name] = (s2, w, (0,))
+        else:  # copy the stored payloads into redis (no re-encoding)
+            raw = token_bytes(ctx)
+            for name, (nsp, cdc, lv) in specs.items():
+                src_store = ContextStore(file_backend, nsp, cdc, chunk_tokens=CHUNK_TOKENS)
+                writes = [ChunkWrite(i.ref.key, raw[i.ref.start * 4:i.ref.end * 4],
+                                     {l: src_store.get(i.ref, l) for l in i.sizes}, start=i.ref.start,
+                                     ends_context=i.ref.end == len(ctx)) for i in src_store.plan(ctx)]
+                backend.put_chunks(writes)
+            log(f"[stream] netns: redis at {netns.url} behind tbf-shaped veths")
+    stores = {name: (ContextStore(backend, nsp, cdc, chunk_tokens=CHUNK_TOKENS), cdc, lv)
+              for name, (nsp, cdc, lv) in specs.items()}
+    st = stores["cachegen"][0]
 
-    # cost models (cached per model + codec profile)
+    # cost models (cached per model, dtype, codec profile)
     cpath = default_path(f"{model}-{dtype}-{profile.id}-{CHUNK_TOKENS}")
     try:
         costs = CostModel.load(cpath)
@@ -136,34 +198,61 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
         costs = calibrate_decode(codec, sample, levels)
         costs = calibrate_recompute(recompute, ctx, CHUNK_TOKENS, min(1024, len(ctx) - CHUNK_TOKENS), base=costs)
         costs.save(cpath)
-    t = time.perf_counter()
-    continue_from(m, exact, tail)
-    tail_s = time.perf_counter() - t
+    tails = []
+    for _ in range(3):
+        t = time.perf_counter()
+        continue_from(m, exact, tail)
+        tails.append(time.perf_counter() - t)
+    tail_s = statistics.median(tails)
     reserve = tail_s * 1.3 + 0.02
+    t = time.perf_counter()
     plan = st.plan(ctx)
+    plan_s = time.perf_counter() - t
     vpt = exact.num_values // exact.num_tokens
     n_chunks = len(plan)
     chunks = [PlanChunk(i.ref.index, i.ref.start, i.ref.end - i.ref.start, (i.ref.end - i.ref.start) * vpt, i.sizes)
               for i in plan]
-    if slo == "auto":  # meetable at the median level and the median bandwidth
-        traces = [make_trace(trace, n_chunks, seed=s, gbps=gbps) for s in range(max(runs, 1))]
-        med_bw = statistics.median(g for tr in traces for _, g in tr.points)
-        med_level = levels[len(levels) // 2]
-        slo = round(simulate(chunks, [med_level] * n_chunks, med_bw, costs) + reserve + 0.05, 3)
-        log(f"[stream] auto slo {slo:.3f}s (level {med_level} at {med_bw:.2f} Gbps)")
-    slo = float(slo)
+    slo_arg = slo
+    slo = _slo_value(slo, chunks, levels,
+                     [make_trace(trace, n_chunks, seed=seed + s, gbps=gbps) for s in range(max(runs, sim_runs, 1))],
+                     costs, reserve, log)
     log(f"[stream] setup {time.perf_counter() - t_setup:.1f}s; {n_chunks} chunks, tail prefill {tail_s * 1000:.0f} ms, "
-        f"sizes L{levels[0]} {sum(c.sizes[levels[0]] for c in chunks) / 1e6:.1f} MB .. "
-        f"L{levels[-1]} {sum(c.sizes[levels[-1]] for c in chunks) / 1e6:.1f} MB")
+        f"sizes L{levels[0]} {sum(c.sizes[levels[0]] for c in chunks) / 1e6:.2f} MB .. "
+        f"L{levels[-1]} {sum(c.sizes[levels[-1]] for c in chunks) / 1e6:.2f} MB")
 
-    all_methods = ["adaptive", "cachegen-rule", *[f"cachegen-L{l}" for l in levels], *stores.keys() - {"cachegen"},
-                   "recompute"]
+    all_methods = ["adaptive", "cachegen-rule", *[f"cachegen-L{l}" for l in levels],
+                   *[k for k in stores if k != "cachegen"], "recompute"]
     methods = list(methods) if methods else all_methods
     kl_cache: dict[tuple, float] = {}
+    decoded: dict[tuple[int, int], KVCache] = {}
+
+    def kl_of(key: tuple, kv: KVCache | None) -> float:
+        if key not in kl_cache:
+            kl_cache[key] = kl_nats(continue_from(m, kv, cont).logits, ref_logits)
+        return kl_cache[key]
+
+    def kl_pattern(choices: Sequence) -> float:
+        """KL of a cachegen choice pattern, built as the loader would (text: recomputed on the prefix)."""
+        key = ("cachegen", tuple(choices))
+        if key in kl_cache:
+            return kl_cache[key]
+        parts: list[KVCache] = []
+        for info, c in zip(plan, choices):
+            if c == TEXT:
+                prefix = KVCache.concat(parts) if parts else None
+                parts.append(recompute(prefix, ctx[info.ref.start:info.ref.end]))
+            else:
+                if (info.ref.index, c) not in decoded:
+                    decoded[(info.ref.index, c)] = codec.decode(st.get(info.ref, c)).to(m.dtype)
+                parts.append(decoded[(info.ref.index, c)])
+        return kl_of(key, KVCache.concat(parts))
+
     rows = []
     estimators: dict[str, ThroughputEstimator] = {}
     try:
         for method in methods:
+            if method not in all_methods:
+                raise ConfigError(f"unknown method {method!r}: one of {', '.join(all_methods)}")
             ttfts, kls, misses, patterns = [], [], 0, []
             n_runs = min(runs, 2) if method == "recompute" else runs
             for r in range(n_runs):
@@ -177,16 +266,13 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                     misses += ttft > slo
                     kls.append(0.0)
                     continue
-                if method in ("adaptive", "cachegen-rule") or method.startswith("cachegen-L"):
-                    store, cdc, lv = stores["cachegen"]
-                    policy = "adaptive" if method == "adaptive" else "rule" if method == "cachegen-rule" else int(method[10:])
-                else:
-                    store, cdc, lv = stores[method]
-                    policy = 0
-                est = estimators.setdefault(method, ThroughputEstimator(prior_gbps=gbps if trace.startswith("constant") else 1.0))
+                store, cdc, lv, policy = _policy(method, stores)
+                # one estimator per method, kept across loads (as the Engine keeps one per link)
+                est = estimators.setdefault(method, ThroughputEstimator())
                 lk = ThrottledLink(tr) if netns is None else _netns_link(netns, tr)
                 loader = StreamingLoader(store, cdc, recompute, costs=costs, slo_s=slo, link=lk, policy=policy,
-                                         estimator=est, levels=lv, reserve_s=reserve, values_per_token=vpt)
+                                         estimator=est, levels=lv, reserve_s=reserve, values_per_token=vpt,
+                                         dtype=m.dtype)
                 t0 = time.perf_counter()
                 res = loader.load(ctx + tail, t0=t0)
                 out = continue_from(m, res.kv, tail)
@@ -194,29 +280,79 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                 ttft = time.perf_counter() - t0
                 ttfts.append(ttft)
                 misses += ttft > slo
-                key = (method if policy == 0 else "cachegen", tuple(res.choices))
-                if key not in kl_cache:
-                    kl_cache[key] = kl_nats(continue_from(m, res.kv, cont).logits, ref_logits)
-                kls.append(kl_cache[key])
+                if store is st:
+                    kls.append(kl_pattern(res.choices) if not res.faults else kl_of(("fault", r, method), res.kv))
+                else:
+                    kls.append(kl_of((method, tuple(res.choices)), res.kv))
                 patterns.append("".join("T" if c == TEXT else str(c) for c in res.choices))
-            row = {"method": method, "trace": trace, "ttft_s_p50": _pct(ttfts, 0.5), "ttft_s_p95": _pct(ttfts, 0.95),
-                   "deadline_miss_rate": misses / max(len(ttfts), 1), "mean_kl": statistics.fmean(kls) if kls else None,
-                   "runs": len(ttfts), "slo_s": slo, "link": link, "context_tokens": len(ctx),
-                   "gbps": gbps if trace.startswith("constant") else None,
-                   "example_choices": patterns[:3]}
-            rows.append(row)
-            log(f"[stream] {method:15s} p50 {row['ttft_s_p50']:.3f}s p95 {row['ttft_s_p95']:.3f}s "
-                f"miss {row['deadline_miss_rate']:.2f} kl {row['mean_kl']:.5f} {patterns[:1]}")
+            if ttfts:
+                rows.append(_row(method, trace, ttfts, misses, kls, patterns, slo, link, len(ctx), gbps, "wall"))
+                log(_line(rows[-1]))
+            if sim_runs and (method in SIM_METHODS or method.startswith("cachegen-L")):
+                _, _, lv, policy = _policy(method, stores)
+                est = ThroughputEstimator()
+                ttfts, kls, misses, patterns = [], [], 0, []
+                for r in range(sim_runs):
+                    tr = make_trace(trace, n_chunks, seed=seed + r, gbps=gbps)
+                    sr = simulate_load(chunks, tr, costs, slo, policy=policy, estimator=est, reserve_s=reserve,
+                                       allowed=lv, seed=seed + r)
+                    ttft = plan_s + sr.load_s + tail_s
+                    ttfts.append(ttft)
+                    misses += ttft > slo
+                    kls.append(kl_pattern(sr.choices))
+                    patterns.append("".join("T" if c == TEXT else str(c) for c in sr.choices))
+                rows.append(_row(method, trace, ttfts, misses, kls, patterns, slo, "virtual", len(ctx), gbps, "virtual"))
+                log(_line(rows[-1]))
     finally:
-        backend.close()
+        if backend is not file_backend:
+            backend.close()
+        file_backend.close()
         if netns is not None:
             netns.close()
-        tmp.cleanup()
+    summary = _ratios(rows)
     print_table(rows)
+    for k, v in summary.items():
+        log(f"[stream] {k} = {v:.3f}")
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({"rows": rows, "costs": costs.to_json()}, indent=1))
+        Path(json_path).write_text(json.dumps(
+            {"rows": rows, "ratios": summary, "slo_s": slo, "slo_arg": slo_arg, "tail_prefill_s": tail_s,
+             "reserve_s": reserve, "plan_s": plan_s, "costs": costs.to_json(), "dtype": dtype, "quick": quick,
+             "sizes_mb": {f"L{l}": sum(c.sizes[l] for c in chunks) / 1e6 for l in levels}}, indent=1))
     return rows
+
+
+def _policy(method: str, stores: dict):
+    if method in ("adaptive", "cachegen-rule") or method.startswith("cachegen-L"):
+        store, cdc, lv = stores["cachegen"]
+        policy = "adaptive" if method == "adaptive" else "rule" if method == "cachegen-rule" else int(method[10:])
+        return store, cdc, lv, policy
+    store, cdc, lv = stores[method]
+    return store, cdc, lv, 0
+
+
+def _row(method, trace, ttfts, misses, kls, patterns, slo, link, ctx_tokens, gbps, timing) -> dict:
+    return {"method": method, "trace": trace, "ttft_s_p50": _pct(ttfts, 0.5), "ttft_s_p95": _pct(ttfts, 0.95),
+            "deadline_miss_rate": misses / max(len(ttfts), 1), "mean_kl": statistics.fmean(kls) if kls else None,
+            "runs": len(ttfts), "timing": timing, "slo_s": slo, "link": link, "context_tokens": ctx_tokens,
+            "gbps": gbps if trace.startswith("constant") else None, "example_choices": patterns[:3]}
+
+
+def _line(r: dict) -> str:
+    return (f"[stream] {r['method']:15s} {r['timing']:7s} n={r['runs']:3d} p50 {r['ttft_s_p50']:.3f}s "
+            f"p95 {r['ttft_s_p95']:.3f}s miss {r['deadline_miss_rate']:.3f} kl {r['mean_kl']:.5f} "
+            f"{r['example_choices'][:1]}")
+
+
+def _ratios(rows: list[dict]) -> dict[str, float]:
+    """TTFT p50 of adaptive over 8-bit KV and over recompute (wall rows)."""
+    wall = {r["method"]: r for r in rows if r["timing"] == "wall"}
+    out = {}
+    if "adaptive" in wall:
+        for base in ("uniform8", "recompute", "fp16"):
+            if base in wall and wall[base]["ttft_s_p50"] > 0:
+                out[f"adaptive/{base} ttft p50"] = wall["adaptive"]["ttft_s_p50"] / wall[base]["ttft_s_p50"]
+    return out
 
 
 def _netns_link(netns, tr):
@@ -232,14 +368,14 @@ def _sources() -> list[str]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'method':16s} {'trace':10s} {'p50 s':>8s} {'p95 s':>8s} {'miss':>6s} {'mean_kl':>9s}")
+    print(f"{'method':16s} {'trace':10s} {'timing':8s} {'runs':>4s} {'p50 s':>8s} {'p95 s':>8s} {'miss':>6s} {'mean_kl':>9s}")
     for r in rows:
-        print(f"{r['method']:16s} {r['trace']:10s} {r['ttft_s_p50']:8.3f} {r['ttft_s_p95']:8.3f} "
-              f"{r['deadline_miss_rate']:6.2f} {r['mean_kl']:9.5f}")
+        print(f"{r['method']:16s} {r['trace']:10s} {r['timing']:8s} {r['runs']:4d} {r['ttft_s_p50']:8.3f} "
+              f"{r['ttft_s_p95']:8.3f} {r['deadline_miss_rate']:6.3f} {r['mean_kl']:9.5f}")
 
 
 def _slo(s: str):
-    return s if s == "auto" else float(s)
+    return s if s == "auto" or s.startswith("fastest") else float(s)
 
 
 def register(sub) -> argparse.ArgumentParser:
@@ -248,16 +384,21 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--trace", default="constant", help="constant[:GBPS], step, random, random-log, or a JSON/CSV file")
     p.add_argument("--gbps", type=float, default=0.1, help="bandwidth of the constant trace (default 0.1)")
-    p.add_argument("--slo", type=_slo, default="auto", help="deadline in seconds, or 'auto'")
-    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--slo", type=_slo, default="auto",
+                   help="deadline in seconds, 'auto' (median level at the median bandwidth) or 'fastest[:MARGIN]' "
+                        "(the most aggressive level at the median bandwidth, plus the tail prefill, x (1+MARGIN))")
+    p.add_argument("--runs", type=int, default=10, help="wall-clock loads per method")
+    p.add_argument("--sim-runs", type=int, default=0,
+                   help="virtual-time loads per cachegen method (cachegen.stream.sim), rows with timing=virtual")
+    p.add_argument("--quick", action="store_true", help="small configuration (1K tokens, few runs) for bench all")
     p.add_argument("--context-tokens", type=int, default=4096)
     p.add_argument("--methods", default=None, help="comma-separated subset")
     p.add_argument("--link", choices=("inproc", "netns"), default="inproc")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="bfloat16", help="serving dtype of the model (default bfloat16)")
     p.add_argument("--json", default=None)
     p.set_defaults(func=lambda a: (run_stream_bench(
         a.model, a.trace, a.slo, a.runs, a.context_tokens, a.json, a.link, a.gbps,
-        a.methods.split(",") if a.methods else None, a.dtype) and 0))
+        a.methods.split(",") if a.methods else None, a.dtype, sim_runs=a.sim_runs, quick=a.quick) and 0))
     return p
 
 

@@ -21,7 +21,7 @@ from cachegen.engine.prefill import continue_from, eos_token_ids, prefill
 from cachegen.errors import ConfigError, StoreError
 from cachegen.kv import KVCache
 from cachegen.store import ContextStore, Namespace, open_backend
-from cachegen.stream import ADAPTIVE, CostModel, LoadResult, StreamingLoader
+from cachegen.stream import ADAPTIVE, CostModel, LoadResult, StreamingLoader, ThroughputEstimator
 from cachegen.stream import costs as costs_mod
 
 
@@ -51,6 +51,8 @@ class Engine:
     def __init__(self, lm: LoadedModel, store: ContextStore, codec: codec_mod.Codec, costs: CostModel | None = None):
         self.lm, self.store, self.codec = lm, store, codec
         self._costs = costs
+        # one throughput estimate across loads: the next load starts from what the last one measured
+        self.estimator = ThroughputEstimator()
 
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store_url: str | None = None, chunk_tokens: int = 256,
@@ -136,7 +138,8 @@ class Engine:
     # -- load and answer ---------------------------------------------------------
     def loader(self, slo_s: float | None = None, link=None, policy=ADAPTIVE, reserve_s: float = 0.0) -> StreamingLoader:
         return StreamingLoader(self.store, self.codec, self.recompute, costs=self.costs(), slo_s=slo_s, link=link,
-                               policy=policy, levels=self.store.levels, reserve_s=reserve_s, dtype=self.model.dtype)
+                               policy=policy, levels=self.store.levels, reserve_s=reserve_s, dtype=self.model.dtype,
+                               estimator=self.estimator)
 
     def load(self, context_ids: Sequence[int], slo_s: float | None = None, link=None, policy=ADAPTIVE) -> LoadResult:
         """The KV of the cached prefix of ``context_ids`` (the loader recomputes on any fault)."""

@@ -14,10 +14,11 @@ from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import (DirectLink, ThrottledLink, Trace, constant, load_trace_file, make_trace,
                                   random_trace, step)
 from cachegen.stream.loader import ADAPTIVE, RULE, ChunkDecision, LoadResult, StreamingLoader
-from cachegen.stream.planner import PipelineState, PlanChunk, choose_adaptive, choose_rule, simulate
+from cachegen.stream.planner import PipelineState, PlanChunk, choose_adaptive, choose_rule, decide, simulate
+from cachegen.stream.sim import SimResult, simulate_load
 
 __all__ = [
     "ADAPTIVE", "RULE", "TEXT", "ChunkDecision", "CostModel", "DirectLink", "LoadResult", "PipelineState",
     "PlanChunk", "StreamingLoader", "ThrottledLink", "ThroughputEstimator", "Trace", "choose_adaptive",
-    "choose_rule", "constant", "load_trace_file", "make_trace", "random_trace", "simulate", "step",
+    "choose_rule", "constant", "decide", "SimResult", "simulate_load", "load_trace_file", "make_trace", "random_trace", "simulate", "step",
 ]

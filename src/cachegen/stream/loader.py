@@ -26,7 +26,7 @@ from cachegen.kv import KVCache
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import DirectLink
-from cachegen.stream.planner import Choice, PipelineState, PlanChunk, choose_adaptive, choose_rule
+from cachegen.stream.planner import Choice, PlanChunk, decide
 
 Recompute = Callable[[Union[KVCache, None], list], KVCache]
 
@@ -106,12 +106,16 @@ class StreamingLoader:
     (from the engine). ``policy``: ``"adaptive"``, ``"rule"`` (CacheGen's equal-share rule),
     a fixed level (int; chunks not stored at it are recomputed), or ``"text"``.
     ``reserve_s``: time kept back from the SLO for what follows the load (suffix prefill).
+    ``estimator``: pass the same one to every load over a link (the next load starts from
+    what the last one measured); a fresh one without a prior makes the first chunk a probe
+    at the smallest level. ``guard``: see :func:`~cachegen.stream.planner.choose_adaptive`.
     """
 
     def __init__(self, store, codec, recompute: Recompute, costs: CostModel | None = None, slo_s: float | None = 1.0,
                  link=None, policy: Union[str, int] = ADAPTIVE, estimator: ThroughputEstimator | None = None,
                  levels: Sequence[int] | None = None, prefetch: int = 1, reserve_s: float = 0.0,
-                 safety: float = 0.95, dtype: torch.dtype | None = None, values_per_token: int | None = None, clock: Callable[[], float] = time.perf_counter):
+                 safety: float = 0.95, dtype: torch.dtype | None = None, values_per_token: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter, guard: bool = True):
         if prefetch < 1:
             raise ConfigError("prefetch must be >= 1")
         if not (policy in (ADAPTIVE, RULE, TEXT) or isinstance(policy, int)):
@@ -126,6 +130,7 @@ class StreamingLoader:
         self.prefetch = prefetch
         self.reserve_s = reserve_s
         self.safety = safety
+        self.guard = guard  # adaptive: keep each chunk recoverable if its fetch runs at estimator.low()
         self.dtype = dtype
         self.clock = clock
         self._values_per_token = values_per_token
@@ -145,24 +150,17 @@ class StreamingLoader:
 
     _values_per_token: int | None = None  # learnt from the first decoded chunk
 
-    def _choose(self, i: int, chunks: list[PlanChunk], deadline: float, cpu_busy: float) -> tuple[Choice, float]:
-        ch = chunks[i]
-        if not ch.sizes or self.policy == TEXT:
-            return TEXT, self.estimator.estimate()
-        if isinstance(self.policy, int):
-            return (self.policy if self.policy in ch.sizes else TEXT), self.estimator.estimate()
-        if self.slo_s is None:
-            return min(ch.sizes), self.estimator.estimate()
-        if self.policy == RULE:
-            g = self.estimator.last()
-            share = max(self.slo_s - self.reserve_s, 0.0) / len(chunks)
-            return choose_rule(ch, share, g, self.costs, self.levels), g
-        g = self.estimator.estimate()
-        tail = self.estimator.harmonic_mean()
-        now = self.clock()
-        st = PipelineState(time_left_s=deadline - now, cpu_busy_s=cpu_busy)
-        pred = choose_adaptive(chunks[i:], g, self.costs, st, self.levels, tail_gbps=min(g, tail), safety=self.safety)
-        return pred.choice, g
+    def _choose(self, i: int, chunks: list[PlanChunk], deadline: float, cpu_busy: float,
+                prev: Choice | None = None) -> tuple[Choice, float]:
+        e = self.estimator
+        g, last = e.estimate(), e.last()
+        share = max(self.slo_s - self.reserve_s, 0.0) / len(chunks) if self.slo_s is not None else None
+        choice = decide(self.policy, chunks[i:], self.costs,
+                        time_left_s=None if self.slo_s is None else deadline - self.clock(), cpu_busy_s=cpu_busy,
+                        est_gbps=g, last_gbps=last, tail_gbps=e.harmonic_mean(), known=e.known,
+                        worst_gbps=e.low() if self.guard else None, share_s=share,
+                        prev=prev, allowed=self.levels, safety=self.safety)
+        return choice, (last if self.policy == RULE else g)
 
     def _check(self, kv: KVCache, ref, like: KVCache | None) -> None:
         if kv.start != ref.start or kv.num_tokens != ref.end - ref.start:
@@ -227,7 +225,7 @@ class StreamingLoader:
                 for i in range(n):
                     if stop.is_set():
                         return
-                    choice, est = self._choose(i, chunks, deadline, cpu_busy())
+                    choice, est = self._choose(i, chunks, deadline, cpu_busy(), decisions[i - 1].choice if i else None)
                     d = decisions[i]
                     d.choice, d.est_gbps = choice, est
                     if choice == TEXT:

@@ -110,7 +110,7 @@ def tail_at(chunks: Sequence[PlanChunk], level: Choice, gbps: float, costs: Cost
 
 def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostModel, state: PipelineState,
                     allowed: Sequence[int] | None = None, tail_gbps: float | None = None,
-                    safety: float = 1.0) -> Prediction:
+                    safety: float = 1.0, worst_gbps: float | None = None) -> Prediction:
     """Choice for ``remaining[0]``, the next chunk to fetch.
 
     The best level that every remaining chunk could take and still end by the
@@ -120,6 +120,11 @@ def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostMode
     the fastest option. Text instead, when it ends this chunk sooner and fits.
     ``gbps`` predicts this chunk's fetch, ``tail_gbps`` (default ``gbps``) the
     later ones'. The plan must end within ``safety * time_left_s``.
+
+    ``worst_gbps`` (a low quantile of past samples) guards against one slow
+    fetch: a level is taken only if, were this chunk's fetch that slow, the
+    remaining chunks could still end in time at their fastest option. When no
+    level passes the guard it is dropped (the plan above decides alone).
     """
     if not remaining:
         raise ValueError("no chunk to plan")
@@ -131,6 +136,13 @@ def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostMode
         heads[o] = _step(state.net_busy_s, state.cpu_busy_s, head, o, gbps, costs)
     text_net, text_cpu = heads[TEXT]
     levels = [o for o in heads if o != TEXT]
+    if worst_gbps is not None and worst_gbps < gbps:
+        def recoverable(o: Choice) -> bool:
+            n, c = _step(state.net_busy_s, state.cpu_busy_s, head, o, worst_gbps, costs)
+            return cheapest_tail(tail, tg, costs, n, c, allowed)[1] <= budget
+        safe = [o for o in levels if recoverable(o)]
+        if safe:
+            levels = safe
 
     def pred(o: Choice, total: float) -> Prediction:
         return Prediction(o, heads[o][1], total, total <= budget)
@@ -169,3 +181,45 @@ def choose_rule(chunk: PlanChunk, share_s: float, gbps: float, costs: CostModel,
         if n <= share_s:
             return o
     return TEXT
+
+
+def smallest_level(chunk: PlanChunk, allowed: Sequence[int] | None = None) -> int | None:
+    """The stored level with the fewest bytes (the probe)."""
+    lv = options(chunk, allowed, text=False)
+    return min(lv, key=lambda l: (chunk.sizes[l], -l)) if lv else None
+
+
+def decide(policy: Union[str, int], remaining: Sequence[PlanChunk], costs: CostModel, *, time_left_s: float | None,
+           cpu_busy_s: float, est_gbps: float, last_gbps: float, tail_gbps: float, known: bool,
+           worst_gbps: float | None = None,
+           share_s: float | None = None, prev: Choice | None = None, allowed: Sequence[int] | None = None,
+           safety: float = 1.0) -> Choice:
+    """The loader's per-chunk decision for ``remaining[0]`` (shared by the loader and :mod:`.sim`).
+
+    ``policy``: ``"adaptive"``, ``"rule"``, a fixed level or ``"text"``. ``time_left_s``
+    None = no deadline (best level). ``known`` False (a cold estimator: no sample, no
+    prior): the first chunk takes the smallest stored level, a safe probe. The rule
+    probes the same way after a text chunk, which gave it no new sample (otherwise
+    it would stay on text for the rest of the load: the *stranded* rule).
+    """
+    ch = remaining[0]
+    if not ch.sizes or policy == TEXT:
+        return TEXT
+    if isinstance(policy, int):
+        return policy if policy in ch.sizes else TEXT
+    if time_left_s is None:
+        return min(options(ch, allowed, text=False), default=TEXT)
+    probe = smallest_level(ch, allowed)
+    if probe is None:
+        return TEXT
+    if policy == "rule":
+        if not known or prev == TEXT:
+            return probe
+        return choose_rule(ch, share_s if share_s is not None else 0.0, last_gbps, costs, allowed)
+    st = PipelineState(time_left_s=time_left_s, cpu_busy_s=cpu_busy_s)
+    if not known:  # cold start: the probe, unless recomputing this chunk ends it sooner
+        n, c = _step(0.0, cpu_busy_s, ch, probe, est_gbps, costs)
+        _, ct = _step(0.0, cpu_busy_s, ch, TEXT, est_gbps, costs)
+        return TEXT if ct < c and ch.start == 0 else probe
+    return choose_adaptive(remaining, est_gbps, costs, st, allowed, tail_gbps=min(est_gbps, tail_gbps),
+                           safety=safety, worst_gbps=worst_gbps).choice
