@@ -1,10 +1,11 @@
 """``cachegen bench codec``: codec speed and rate on a real model's KV.
 
 Rows: ``codec``, ``level``, ``encode_mvalues_s``, ``decode_mvalues_s``,
-``entropy_decode_msymbols_s``, ``bits_per_value`` (plus ``encode_s``/``decode_s``).
+``entropy_decode_msymbols_s``, ``entropy_encode_msymbols_s``, ``bits_per_value`` (plus ``encode_s``/``decode_s``).
 Encode/decode time the whole ``context_tokens`` KV as one chunk, bytes <-> KVCache.
-The entropy figure times :func:`cachegen.codec.rans.decode_columns` alone over
-all sections, split over ``threads`` Python threads.
+The entropy figures time :func:`cachegen.codec.rans.decode_interleaved` /
+:func:`~cachegen.codec.rans.encode_interleaved` alone over all sections (best
+of 5), split over ``threads`` Python threads.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def _best(fn, reps: int = 3) -> float:
     return best
 
 
-def _entropy_speed(prof, kv, level: int, threads: int) -> float:
-    """M symbols/s of rANS decoding alone, sections split over threads."""
+def _entropy_speed(prof, kv, level: int, threads: int) -> tuple[float, float]:
+    """(decode, encode) M symbols/s of the rANS coder alone (as the codec uses it), sections split over threads."""
     from cachegen.codec.transform import forward_section
 
     lp = prof.levels[level]
@@ -52,12 +53,12 @@ def _entropy_speed(prof, kv, level: int, threads: int) -> float:
         sym = np.empty(y.shape, dtype=np.uint8)
         esc = np.empty(y.size + 1, dtype=np.int32)
         quant.quantize(y, (1.0 / lp.steps[i]).astype(np.float32), cls[i], tables.freq, sym, esc)
-        w, ln = rans.encode_columns(sym, cls[i], tables)
-        jobs.append((w, ln, y.shape[0], cls[i]))
-    n = sum(j[2] * j[3].size for j in jobs)
+        jobs.append((rans.encode_interleaved(sym, cls[i], tables), y.shape[0], cls[i], sym))
+    n = sum(j[1] * j[2].size for j in jobs)
     with ThreadPoolExecutor(threads) as ex:
-        t = _best(lambda: list(ex.map(lambda j: rans.decode_columns(j[0], j[1], j[2], j[3], tables), jobs)))
-    return n / t / 1e6
+        td = _best(lambda: list(ex.map(lambda j: rans.decode_interleaved(j[0], j[1], j[2], tables), jobs)), 5)
+        te = _best(lambda: list(ex.map(lambda j: rans.encode_interleaved(j[3], j[2], tables), jobs)), 5)
+    return n / td / 1e6, n / te / 1e6
 
 
 def run_codec_bench(model_name: str = "smollm2-135m", context_tokens: int = 4096, json_path: str | None = None,
@@ -73,23 +74,24 @@ def run_codec_bench(model_name: str = "smollm2-135m", context_tokens: int = 4096
     for lv in levels:
         src = kv.to(__import__("torch").bfloat16) if lv == LOSSLESS else kv
         data = codec.encode(src, lv)
-        te = _best(lambda: codec.encode(src, lv))
-        td = _best(lambda: codec.decode(data))
-        ent = _entropy_speed(prof, kv, lv, threads) if lv != LOSSLESS else float("nan")
+        te = _best(lambda: codec.encode(src, lv), 5)
+        td = _best(lambda: codec.decode(data), 5)
+        ent, ent_e = _entropy_speed(prof, kv, lv, threads) if lv != LOSSLESS else (float("nan"), float("nan"))
         rows.append({
             "codec": "cachegen" + ("-lossless-bf16" if lv == LOSSLESS else ""),
             "level": lv,
             "encode_mvalues_s": kv.num_values / te / 1e6,
             "decode_mvalues_s": kv.num_values / td / 1e6,
             "entropy_decode_msymbols_s": ent,
+            "entropy_encode_msymbols_s": ent_e,
             "bits_per_value": len(data) * 8 / kv.num_values,
             "encode_s": te,
             "decode_s": td,
         })
-    print(f"{'codec':24s} {'lvl':>3s} {'enc Mv/s':>9s} {'dec Mv/s':>9s} {'rANS Ms/s':>9s} {'bits/val':>8s} {'enc s':>6s} {'dec s':>6s}")
+    print(f"{'codec':24s} {'lvl':>3s} {'enc Mv/s':>9s} {'dec Mv/s':>9s} {'rANS dec':>9s} {'rANS enc':>9s} {'bits/val':>8s} {'enc s':>6s} {'dec s':>6s}")
     for r in rows:
         print(f"{r['codec']:24s} {r['level']:3d} {r['encode_mvalues_s']:9.1f} {r['decode_mvalues_s']:9.1f} "
-              f"{r['entropy_decode_msymbols_s']:9.1f} {r['bits_per_value']:8.3f} {r['encode_s']:6.3f} {r['decode_s']:6.3f}")
+              f"{r['entropy_decode_msymbols_s']:9.1f} {r['entropy_encode_msymbols_s']:9.1f} {r['bits_per_value']:8.3f} {r['encode_s']:6.3f} {r['decode_s']:6.3f}")
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1))
     return rows
@@ -102,7 +104,8 @@ def register(sub) -> None:
     p.add_argument("--context-tokens", type=int, default=4096)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", metavar="PATH")
-    p.set_defaults(func=lambda a: run_codec_bench(a.model, a.context_tokens, a.json, a.threads))
+    p.add_argument("--levels", default=",".join(map(str, (LOSSLESS, *LEVELS))))
+    p.set_defaults(func=lambda a: run_codec_bench(a.model, a.context_tokens, a.json, a.threads, tuple(int(x) for x in a.levels.split(","))))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,12 @@ EVAL_TEXTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Ap
 
 
 def _eval_ids(tok, path: str, n: int) -> torch.Tensor:
-    text = Path(path).read_text()
+    if path.startswith("pydoc"):  # held-out half of the pydoc topics (calibration uses pydoc-calib)
+        from cachegen import corpus
+
+        text = corpus.text(path)
+    else:
+        text = Path(path).read_text()
     ids = tok(text)["input_ids"]
     while len(ids) < n:
         ids = ids + ids
@@ -62,15 +67,39 @@ def run_rate_quality(model_name: str = "smollm2-135m", context: int = 2048, cont
     return rows
 
 
+BUDGETS = {"strict": (0.002, 0.97), "loose": (0.01, 0.0)}
+
+
+def budget_summary(rows: list[dict], texts=None) -> dict:
+    """Lowest bits/value of a level that meets each budget on every text (None if no level does)."""
+    texts = texts or sorted({r["text"] for r in rows})
+    out = {}
+    for name, (kl_max, top1_min) in BUDGETS.items():
+        best = None
+        for lv in sorted({r["level"] for r in rows}):
+            rs = [r for r in rows if r["level"] == lv and r["text"] in texts]
+            if len(rs) == len(texts) and all(r["kl"] <= kl_max and r["top1_agreement"] >= top1_min for r in rs):
+                bpv = max(r["bits_per_value"] for r in rs)
+                if best is None or bpv < best[1]:
+                    best = (lv, bpv)
+        out[name] = best
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--cont", type=int, default=256)
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)))
+    ap.add_argument("--texts", default=",".join(EVAL_TEXTS), help="comma list of files or pydoc-eval")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    rows = run_rate_quality(a.model, a.context, a.cont, levels=[int(x) for x in a.levels.split(",")])
+    texts = tuple(a.texts.split(","))
+    rows = run_rate_quality(a.model, a.context, a.cont, levels=[int(x) for x in a.levels.split(",")], texts=texts)
+    lic = [Path(t).name for t in texts if not t.startswith("pydoc")]
+    for name, best in budget_summary(rows, lic or None).items():
+        print(f"{name} budget on {', '.join(lic)}: " + (f"L{best[0]} {best[1]:.3f} b/v" if best else "no level passes"))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -1,0 +1,130 @@
+"""``cachegen bench all``: every benchmark at its default size, one results.md with tables and plots.
+
+Default sizes are chosen to finish in under 20 minutes on 2 CPU cores with
+SmolLM2-135M in fp32 (quality: 2,048 + 256 tokens; needle: 50 cases of 1,024
+tokens; TTFT: 4,096 tokens at 0.1, 1 and 10 Gbit/s). ``quick`` shrinks all of
+them for a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from cachegen.bench.plots import needle_plot, quality_plot, table, ttft_plot
+
+SIZES = {
+    "full": {"quality": (2048, 256), "needle": (1024, 50), "ttft": 4096, "codec": None},
+    "quick": {"quality": (512, 64), "needle": (512, 10), "ttft": 1024, "codec": 1024},
+}
+
+
+def _run_codec_bench(model: str, out: Path, log: Callable[[str], None], context_tokens: int | None = None) -> tuple[str | None, str]:
+    """Run ``cachegen bench codec`` (the codec engineer's module): (json path or None, its stdout)."""
+    from cachegen.bench.codec_bench import register as reg_codec
+
+    parser = argparse.ArgumentParser(prog="cachegen bench", exit_on_error=False)
+    reg_codec(parser.add_subparsers(dest="cmd"))
+    path = out / "codec.json"
+    buf = io.StringIO()
+    base = ["codec", "--model", model, "--json", str(path)]
+    tries = ([base + ["--context-tokens", str(context_tokens)]] if context_tokens else []) + [base, ["codec"]]
+    for argv in tries:
+        try:
+            args = parser.parse_args(argv)
+        except (argparse.ArgumentError, SystemExit):
+            continue
+        with contextlib.redirect_stdout(buf):
+            args.func(args)
+        return (str(path) if path.exists() else None), buf.getvalue()
+    return None, "could not find the arguments of cachegen bench codec"
+
+
+def run_all(
+    out: str | Path,
+    model: str = "smollm2-135m",
+    dtype: str = "float32",
+    codecs: Sequence[str] | None = None,
+    needle_cases: int | None = None,
+    quick: bool = False,
+    link: str = "inproc",
+    log: Callable[[str], None] = print,
+    codec_bench: bool = True,
+) -> Path:
+    from cachegen.bench.cli import DEFAULT_CODECS, NEEDLE_COLS, QUALITY_COLS, TTFT_COLS, codecs_for, load, write_json
+    from cachegen.bench.needle import run_needle
+    from cachegen.bench.quality import run_quality
+    from cachegen.bench.ttft import run_ttft
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = SIZES["quick" if quick else "full"]
+    names = list(codecs) if codecs else DEFAULT_CODECS.split(",")
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    lm = load(model, dtype)
+    cods = codecs_for(lm, names)
+    md = [f"# cachegen benchmark results", "",
+          f"Model `{lm.name}` ({dtype}), {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
+          f"torch {__import__('torch').__version__}, {time.strftime('%Y-%m-%d %H:%M')}.", ""]
+
+    log("== quality")
+    t = time.perf_counter()
+    ctx, cont = sizes["quality"]
+    q = run_quality(lm, cods, context_tokens=ctx, continuation_tokens=cont, log=log)
+    write_json(q, out / "quality.json")
+    quality_plot(q, out / "quality.png")
+    timings["quality"] = time.perf_counter() - t
+    md += ["## Size against quality", "",
+           f"{ctx} context tokens of `{q['text']}` encoded in 256-token chunks, then a {cont}-token continuation; "
+           f"reference perplexity {q['reference_ppl']:.3f}. KL in nats/token against the unmodified cache.", "",
+           table(q["rows"], QUALITY_COLS, markdown=True), "", "![quality](quality.png)", ""]
+
+    log("== needle")
+    t = time.perf_counter()
+    nctx, ncases = sizes["needle"]
+    ncases = needle_cases or ncases
+    n = run_needle(lm, cods, cases=ncases, context_tokens=nctx, log=log)
+    write_json(n, out / "needle.json")
+    needle_plot(n, out / "needle.png")
+    timings["needle"] = time.perf_counter() - t
+    md += ["## Needle retrieval", "",
+           f"{ncases} cases of ~{nctx} tokens; accuracy with its 95% Wilson interval. `recompute` is the "
+           "uncompressed cache.", "", table(n["rows"], NEEDLE_COLS, markdown=True), "", "![needle](needle.png)", ""]
+
+    log("== ttft")
+    t = time.perf_counter()
+    tt = run_ttft(lm, cods, context_tokens=sizes["ttft"], link=link, repeats=2, log=log)
+    write_json(tt, out / "ttft.json")
+    ttft_plot(tt, out / "ttft.png")
+    timings["ttft"] = time.perf_counter() - t
+    md += ["## Time to first token", "",
+           f"{tt['context_tokens']} context tokens, link `{tt['link']}`: fetch over the link (pipelined with "
+           "decoding), decode, cache injection and the first decoding step (best of 2 runs); recompute = fetch token ids "
+           "+ prefill (1 run).",
+           "", table(tt["rows"], TTFT_COLS, markdown=True), "", "![ttft](ttft.png)", ""]
+
+    if codec_bench:
+        log("== codec")
+        t = time.perf_counter()
+        cpath, ctext = _run_codec_bench(model, out, log, context_tokens=sizes["codec"])
+        timings["codec"] = time.perf_counter() - t
+        md += ["## Codec speed", ""]
+        if cpath:
+            md += [f"See `{Path(cpath).name}`.", ""]
+        md += ["```", ctext.strip() or "(no output)", "```", ""]
+
+    timings["total"] = time.perf_counter() - t_start
+    md += ["## Run time", "", " · ".join(f"{k} {v:.0f} s" for k, v in timings.items()), ""]
+    (out / "results.md").write_text("\n".join(md))
+    (out / "timings.json").write_text(json.dumps(timings, indent=1) + "\n")
+    log(f"wrote {out / 'results.md'} in {timings['total']:.0f} s")
+    return out / "results.md"

@@ -1,0 +1,230 @@
+"""Each baseline's round trip and size accounting on small random KV caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachegen.bench import baselines as B
+from cachegen.errors import CodecError, ConfigError, CorruptChunk
+from cachegen.kv import KVCache, KVLayer, LayerKind
+
+
+def _kv(layers=3, heads=2, tokens=70, dk=64, dv=64, start=0, seed=0, sliding=False) -> KVCache:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(layers):
+        # channels of very different scales, like real keys
+        k = torch.randn(heads, tokens, dk, generator=g) * (0.1 + 4 * torch.rand(1, 1, dk, generator=g))
+        v = torch.randn(heads, tokens, dv, generator=g)
+        kind = LayerKind.SLIDING if sliding and i % 2 else LayerKind.FULL
+        out.append(KVLayer(k, v, kind, 8 if kind == LayerKind.SLIDING else None))
+    return KVCache(out, start=start)
+
+
+def _layout_equal(a: KVCache, b: KVCache) -> None:
+    assert b.start == a.start and b.num_tokens == a.num_tokens and b.same_layout(a)
+    for x, y in zip(a.layers, b.layers):
+        assert y.k.shape == x.k.shape and y.v.shape == x.v.shape and y.k.dtype == torch.float32
+
+
+def _maxerr(a: KVCache, b: KVCache) -> float:
+    return max(max(float((x.k - y.k).abs().max()), float((x.v - y.v).abs().max())) for x, y in zip(a.layers, b.layers))
+
+
+ALL = ["fp16", "bf16", "uniform8", "uniform4", "kivi2", "kivi4", "cachegen-released"]
+
+
+@pytest.mark.parametrize("codec", [c for n in ALL for c in B.baseline(n)], ids=B.label)
+def test_roundtrip_keeps_layout_and_start(codec):
+    kv = _kv(start=512, sliding=True)
+    data = codec.encode(kv)
+    assert isinstance(data, bytes)
+    back = codec.decode(data)
+    _layout_equal(kv, back)
+    assert [l.kind for l in back.layers] == [l.kind for l in kv.layers]
+    assert [l.window for l in back.layers] == [l.window for l in kv.layers]
+
+
+def test_raw_is_exact_cast_and_sized():
+    kv = _kv()
+    for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        c = B.RawCodec(name)
+        data = c.encode(kv)
+        assert len(data) == B.header_size(name, kv.num_layers) + 2 * kv.num_values
+        back = c.decode(data)
+        for x, y in zip(kv.layers, back.layers):
+            assert torch.equal(y.k, x.k.to(dt).float()) and torch.equal(y.v, x.v.to(dt).float())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_uniform_error_and_size(bits):
+    kv = _kv(tokens=37)
+    c = B.UniformCodec(bits)
+    data = c.encode(kv)
+    per = 0
+    for l in kv.layers:
+        for t in (l.k, l.v):
+            h, n, d = t.shape
+            per += h * d * 2 * 2 + B.packed_len(h * n * d, bits)  # fp16 min + step per channel, packed codes
+    assert len(data) == B.header_size(c.name, kv.num_layers) + per
+    back = c.decode(data)
+    for x, y in zip(kv.layers, back.layers):
+        for a, b in ((x.k, y.k), (x.v, y.v)):
+            rng = a.amax(dim=1, keepdim=True) - a.amin(dim=1, keepdim=True)
+            step = rng / (2**bits - 1)
+            assert bool(((a - b).abs() <= step * 0.5 + 2e-3 * rng + 1e-3).all())
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("tokens,dim", [(64, 64), (45, 48)])
+def test_kivi_groups_error_and_size(bits, tokens, dim):
+    kv = _kv(tokens=tokens, dk=dim, dv=dim)
+    c = B.KiviCodec(bits)
+    data = c.encode(kv)
+    per = 0
+    for l in kv.layers:
+        h, n, d = l.k.shape
+        per += h * -(-n // 32) * d * 4 + B.packed_len(h * n * d, bits)  # K: groups of 32 tokens per channel
+        per += h * n * -(-d // 32) * 4 + B.packed_len(h * n * d, bits)  # V: groups of 32 channels per token
+    assert len(data) == B.header_size(c.name, kv.num_layers) + per
+    back = c.decode(data)
+    levels = 2**bits - 1
+    for x, y in zip(kv.layers, back.layers):
+        h, n, d = x.k.shape
+        # K: per channel within 32-token groups
+        for a in range(0, n, 32):
+            g, r = x.k[:, a : a + 32], y.k[:, a : a + 32]
+            step = (g.amax(1, keepdim=True) - g.amin(1, keepdim=True)) / levels
+            assert bool(((g - r).abs() <= step * 0.5 * 1.01 + 2e-2).all())
+        # V: per token within 32-channel groups
+        for a in range(0, d, 32):
+            g, r = x.v[:, :, a : a + 32], y.v[:, :, a : a + 32]
+            step = (g.amax(2, keepdim=True) - g.amin(2, keepdim=True)) / levels
+            assert bool(((g - r).abs() <= step * 0.5 * 1.01 + 2e-2).all())
+    # KIVI-4 is finer than KIVI-2
+    if bits == 4:
+        assert _maxerr(kv, back) < _maxerr(kv, B.KiviCodec(2).decode(B.KiviCodec(2).encode(kv)))
+
+
+def test_released_bins_per_level_and_layer():
+    l1, l2, l3 = (B.RELEASED_LEVELS[i] for i in (1, 2, 3))
+    assert [l2.key_bins(i) for i in (0, 9, 10, 19, 20, 29)] == [32, 32, 16, 16, 16, 16]
+    assert [l2.value_bins(i) for i in (0, 1, 2, 29)] == [32, 32, 16, 16]
+    assert [l1.key_bins(i) for i in (0, 9, 10, 19, 20, 29)] == [16, 16, 16, 16, 12, 12]
+    assert [l1.value_bins(i) for i in (0, 1, 2, 29)] == [16, 16, 12, 12]
+    assert {l3.key_bins(i) for i in range(40)} == {l3.value_bins(i) for i in range(40)} == {32}
+
+
+def test_released_quantizer_is_symmetric_absmax_per_token():
+    x = np.array([[1.0, -2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
+    q, mx = B.released_quantize(x, 32)  # C = 15
+    assert mx.tolist() == [2.0, 0.0]
+    assert q[0].tolist() == [15 + 8, 0, 15 + 4, 15] and q[1].tolist() == [15] * 4  # round(1*15/2)=8 (half to even: 7.5->8)
+    back = B.released_dequantize(q, mx, 32)
+    assert np.allclose(back[0], [8 / 15 * 2, -2, 4 / 15 * 2, 0]) and (back[1] == 0).all()
+
+
+def test_released_cdf_table_format():
+    q = np.array([[0, 3], [0, 3], [1, 3], [30, 3]], np.uint8)
+    cdf = B.released_cdf(q)
+    assert cdf.shape == (2, 33) and cdf.dtype == np.uint16
+    assert (np.diff(cdf.astype(int), axis=1) >= 1).all()  # every symbol codable
+    assert cdf[:, 0].tolist() == [0, 0] and cdf[:, -1].tolist() == [65535, 65535]
+    f = B._cdf_to_freqs(cdf)
+    assert (f.sum(axis=1) == 1 << B.RANS_PRECISION).all() and (f >= 1).all()
+    assert f[0, 0] > f[0, 1] > f[0, 2] and f[1, 3] == f[1].max()
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_released_size_counts_tables_scales_and_streams(level):
+    kv = _kv(layers=2, heads=3, tokens=300, dk=64, dv=64)  # one full 256-token chunk and a 44-token one
+    c = B.CacheGenReleasedCodec(level)
+    data = c.encode(kv)
+    # walk the format: header, then per chunk, layer, K/V: CDFs, scales, stream lengths, words
+    r = B._Reader(data)
+    B._read_header(r, c.name)
+    tables = 0
+    for n in (256, 44):
+        for _ in range(kv.num_layers * 2):
+            ch = 3 * 64
+            r.take(ch * 33 * 2)
+            tables += ch * 33 * 2
+            r.take(4 * n)
+            lengths = r.array("<u2", ch).astype(int)
+            r.take(2 * int(lengths.sum()))
+    r.done()
+    # a full 256-token chunk's tables alone cost 33 * 16 / 256 = 2.06 bits per value
+    one = B.CacheGenReleasedCodec(level).encode(kv.slice(0, 256))
+    assert 8 * len(one) / kv.slice(0, 256).num_values > 33 * 16 / 256
+    back = c.decode(data)
+    _layout_equal(kv, back)
+    # error bound: half a step of the per-token absmax grid
+    for i, (x, y) in enumerate(zip(kv.layers, back.layers)):
+        for is_key, a, b in ((True, x.k, y.k), (False, x.v, y.v)):
+            bins = c._bins(i, is_key)
+            mx = a.abs().amax(dim=(0, 2))  # per token over all heads and channels
+            step = mx / (bins // 2 - 1)
+            assert bool(((a - b).abs() <= step[None, :, None] * 0.5 + 1e-5).all())
+
+
+def test_released_levels_order_size_and_error():
+    kv = _kv(layers=24, heads=3, tokens=256)
+    sizes, errs = [], []
+    for lv in (1, 2, 3):
+        c = B.CacheGenReleasedCodec(lv)
+        d = c.encode(kv)
+        sizes.append(len(d))
+        errs.append(_maxerr(kv, c.decode(d)))
+    assert sizes[0] < sizes[1] < sizes[2]
+    assert errs[0] > errs[2]
+
+
+def test_decode_rejects_bad_bytes():
+    kv = _kv(tokens=40)
+    for c in (B.RawCodec("fp16"), B.UniformCodec(4), B.KiviCodec(2), B.CacheGenReleasedCodec(2)):
+        data = c.encode(kv)
+        with pytest.raises(CorruptChunk):
+            c.decode(data[:-3])
+        with pytest.raises(CorruptChunk):
+            c.decode(b"XXXX" + data[4:])
+        with pytest.raises(CorruptChunk):
+            c.decode(data + b"\0")
+    with pytest.raises(CodecError):
+        B.UniformCodec(8).decode(B.UniformCodec(4).encode(kv))
+    with pytest.raises(CodecError):
+        B.CacheGenReleasedCodec(1).decode(B.CacheGenReleasedCodec(2).encode(kv))
+
+
+def test_registry_and_names():
+    names = [B.label(c) for c in B.make_codecs(["fp16", "uniform8", "kivi2", "cachegen-released:2", "cachegen-released"])]
+    assert names == ["fp16", "uniform8", "kivi2", "cachegen-released/L2", "cachegen-released/L1",
+                     "cachegen-released/L2", "cachegen-released/L3"]
+    for c in B.make_codecs(["fp16", "kivi4"]):
+        assert isinstance(c, B.KVCodec)
+    with pytest.raises(ConfigError):
+        B.baseline("nope")
+    with pytest.raises(ConfigError):
+        B.CacheGenReleasedCodec(4)
+    with pytest.raises(ConfigError):
+        B.make_codecs(["cachegen"])  # the project codec needs the model
+
+
+def test_roundtrip_chunks_and_bits_per_value():
+    kv = _kv(tokens=600)
+    back, size, blobs = B.roundtrip_chunks(B.RawCodec("fp16"), kv)
+    assert len(blobs) == 3 and size == sum(map(len, blobs))
+    assert 16 < 8 * size / kv.num_values < 16.01
+    _layout_equal(kv, back)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.integers(0, 100), st.integers(0, 2**31))
+def test_pack_bits_roundtrip(bits, n, seed):
+    q = np.random.default_rng(seed).integers(0, 2**bits, n).astype(np.uint8)
+    b = B.pack_bits(q, bits)
+    assert len(b) == B.packed_len(n, bits)
+    assert np.array_equal(B.unpack_bits(b, bits, n), q)

@@ -1,0 +1,197 @@
+"""The benchmark harness end to end on a tiny random Llama and a byte-level tokenizer (no real model)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from cachegen.bench import baselines as B
+from cachegen.bench.needle import run_needle, wilson
+from cachegen.bench.plots import needle_plot, quality_plot, table, ttft_plot
+from cachegen.bench.quality import compare, reference, run_quality, text_ids
+from cachegen.bench.ttft import run_ttft
+
+
+def _byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<eos>")
+
+
+class _LM:
+    """What the harness reads from cachegen.engine.models.LoadedModel."""
+
+    def __init__(self, model, tokenizer):
+        self.name, self.model, self.tokenizer, self.fingerprint = "tiny-llama", model, tokenizer, "0" * 24
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=260, max_position_embeddings=4096)
+    return _LM(LlamaForCausalLM(cfg).eval(), _byte_tokenizer())
+
+
+CODECS = ["fp16", "uniform8", "uniform4", "kivi4", "kivi2", "cachegen-released"]
+
+
+def test_text_ids_any_file_and_wraps(tmp_path, tiny_lm):
+    p = tmp_path / "short.txt"
+    p.write_text("héllo wörld")
+    ids = text_ids(tiny_lm.tokenizer, str(p), 100)
+    assert len(ids) == 100 and max(ids) < 260
+
+
+def test_compare_is_zero_for_identical_logits(tiny_lm):
+    ids = text_ids(tiny_lm.tokenizer, "pydoc-eval", 80)
+    ref = reference(tiny_lm.model, ids[:64], ids[64:])
+    m = compare(ref, ref.logp.clone())
+    assert m["kl"] == pytest.approx(0, abs=1e-7) and m["top1_agreement"] == 1.0 and m["ppl_delta_pct"] == pytest.approx(0, abs=1e-6)
+
+
+def test_quality_end_to_end(tmp_path, tiny_lm):
+    p = tmp_path / "text.txt"
+    p.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    res = run_quality(tiny_lm, B.make_codecs(CODECS), text=str(p), context_tokens=300, continuation_tokens=24)
+    rows = res["rows"]
+    assert [(r["codec"], r["level"]) for r in rows] == [("fp16", None), ("uniform8", None), ("uniform4", None),
+        ("kivi4", None), ("kivi2", None), ("cachegen-released", 1), ("cachegen-released", 2), ("cachegen-released", 3)]
+    n_values = 2 * 2 * 300 * 16 * 2  # layers * (K, V) * tokens * head_dim * kv_heads
+    assert res["num_values"] == n_values
+    for r in rows:
+        for f in ("codec", "level", "bits_per_value", "size_bytes", "kl", "ppl_delta_pct", "top1_agreement"):
+            assert f in r
+        assert r["bits_per_value"] == pytest.approx(8 * r["size_bytes"] / n_values)
+        assert r["kl"] >= 0 and 0 <= r["top1_agreement"] <= 1 and math.isfinite(r["ppl_delta_pct"])
+    by = {(r["codec"], r["level"]): r for r in rows}
+    assert by[("fp16", None)]["kl"] < 1e-4
+    assert by[("uniform8", None)]["kl"] < by[("uniform4", None)]["kl"]
+    assert by[("uniform8", None)]["bits_per_value"] > by[("uniform4", None)]["bits_per_value"]
+    png = quality_plot(res, tmp_path / "q.png")
+    assert png.stat().st_size > 10_000
+    assert "cachegen-released" in table(rows, ("codec", "level", "kl"))
+    json.dumps(res)  # the result is plain JSON
+
+
+def test_needle_end_to_end(tmp_path, tiny_lm):
+    res = run_needle(tiny_lm, B.make_codecs(["fp16", "kivi2"]), cases=2, context_tokens=200, max_new_tokens=3)
+    rows = res["rows"]
+    assert [r["codec"] for r in rows] == ["recompute", "fp16", "kivi2"]
+    for r in rows:
+        assert r["cases"] == 2 and 0 <= r["correct"] <= 2
+        assert (r["ci_low"], r["ci_high"]) == pytest.approx(wilson(r["correct"], 2))
+    assert rows[0]["bits_per_value"] is None and rows[1]["bits_per_value"] == pytest.approx(16, abs=0.1)
+    needle_plot(res, tmp_path / "n.png")
+    json.dumps(res)
+
+
+def test_batched_greedy_matches_one_at_a_time(tiny_lm):
+    from cachegen.bench.needle import batched_greedy
+    from cachegen.engine.prefill import greedy_generate, prefill
+
+    ids = text_ids(tiny_lm.tokenizer, "pydoc-eval", 140)
+    kv = prefill(tiny_lm.model, ids[:128])
+    kvs = [kv] + [c.decode(c.encode(kv)) for c in B.make_codecs(["uniform4", "kivi2"])]
+    got = batched_greedy(tiny_lm.model, kvs, ids[128:], 6, {259})
+    assert got == [greedy_generate(tiny_lm.model, k, ids[128:], 6, {259}) for k in kvs]
+
+
+def test_wilson_interval():
+    assert wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert wilson(50, 50)[1] == 1.0 and wilson(50, 50)[0] == pytest.approx(0.9287, abs=1e-4)
+
+
+def test_ttft_counts_the_link(tmp_path, tiny_lm):
+    bw = [0.001, 1.0]  # 1 Mbit/s makes the fetch dominate
+    res = run_ttft(tiny_lm, B.make_codecs(["fp16", "kivi2"]), context_tokens=128, bandwidths_gbps=bw, tail_tokens=4,
+                   chunk_tokens=32)
+    rows = res["rows"]
+    assert {(r["method"], r["bandwidth_gbps"]) for r in rows} == {(m, b) for m in ("recompute", "fp16", "kivi2") for b in bw}
+    for r in rows:
+        assert set(("method", "level", "bandwidth_gbps", "ttft_s")) <= set(r)
+        # the fetch took at least as long as the bytes need on the link
+        assert r["fetch_s"] >= 0.95 * r["size_bytes"] * 8 / (r["bandwidth_gbps"] * 1e9)
+        assert r["ttft_s"] >= r["fetch_s"]
+    slow = {r["method"]: r for r in rows if r["bandwidth_gbps"] == bw[0]}
+    fast = {r["method"]: r for r in rows if r["bandwidth_gbps"] == bw[1]}
+    assert slow["fp16"]["ttft_s"] > fast["fp16"]["ttft_s"]
+    assert slow["fp16"]["ttft_s"] > slow["kivi2"]["ttft_s"]  # 5x fewer bytes
+    # decoded caches give the same first token as the uncompressed path for fp16
+    assert slow["fp16"]["first_token"] == slow["recompute"]["first_token"]
+    ttft_plot(res, tmp_path / "t.png")
+    json.dumps(res)
+
+
+def test_cli_quality_on_a_local_model_dir(tmp_path, tiny_lm, capsys):
+    from cachegen.bench.cli import main
+
+    d = tmp_path / "tiny"
+    tiny_lm.model.save_pretrained(d)
+    tiny_lm.tokenizer.save_pretrained(d)
+    txt = tmp_path / "t.txt"
+    txt.write_text("Any text file must work. " * 30)
+    rc = main(["bench", "quality", "--model", str(d), "--codecs", "fp16,kivi2", "--text", str(txt),
+               "--context-tokens", "100", "--continuation-tokens", "12", "--json", str(tmp_path / "q.json"),
+               "--plot", str(tmp_path / "q.png")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "bits_per_value" in out and "kivi2" in out
+    res = json.loads((tmp_path / "q.json").read_text())
+    assert [r["codec"] for r in res["rows"]] == ["fp16", "kivi2"]
+    assert (tmp_path / "q.png").stat().st_size > 10_000
+
+
+def test_metrics_agree_with_quality_metrics(tiny_lm):
+    """The harness's metrics are the codec engineer's measure_quality, with the reference cached."""
+    qm = pytest.importorskip("cachegen.bench.quality_metrics")
+    ids = text_ids(tiny_lm.tokenizer, "pydoc-eval", 160)
+    ref = reference(tiny_lm.model, ids[:128], ids[128:])
+    codec = B.KiviCodec(2)
+    rt = lambda kv: codec.decode(codec.encode(kv))
+    from cachegen.engine.prefill import continue_from
+
+    mine = compare(ref, continue_from(tiny_lm.model, rt(ref.kv), ids[128:]).logits)
+    theirs = qm.measure_quality(tiny_lm.model, ref.kv, torch.tensor(ids[128:]), rt)
+    for k in ("kl", "top1_agreement", "ppl_delta_pct"):
+        assert mine[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6)
+
+
+def test_bench_all_quick_on_a_tiny_model(tmp_path, tiny_lm, monkeypatch):
+    from cachegen.bench import all as bench_all
+    from cachegen.bench.cli import main
+
+    d = tmp_path / "tiny"
+    tiny_lm.model.save_pretrained(d)
+    tiny_lm.tokenizer.save_pretrained(d)
+    small = {"quality": (96, 12), "needle": (96, 2), "ttft": 96, "codec": None}
+    monkeypatch.setitem(bench_all.SIZES, "quick", small)
+    out = tmp_path / "out"
+    rc = main(["bench", "all", "--quick", "--skip-codec", "--model", str(d), "--codecs", "fp16,kivi2,cachegen-released:1",
+               "--out", str(out)])
+    assert rc == 0
+    md = (out / "results.md").read_text()
+    for part in ("## Size against quality", "## Needle retrieval", "## Time to first token", "quality.png", "ttft.png"):
+        assert part in md
+    for f in ("quality.json", "needle.json", "ttft.json", "quality.png", "needle.png", "ttft.png", "timings.json"):
+        assert (out / f).stat().st_size > 0
+    tt = json.loads((out / "ttft.json").read_text())
+    assert {r["method"] for r in tt["rows"]} == {"recompute", "fp16", "kivi2", "cachegen-released"}
+    assert sorted({r["bandwidth_gbps"] for r in tt["rows"]}) == [0.1, 1.0, 10.0]
