@@ -29,3 +29,31 @@ def test_netns_redis_rate_and_loader(tmp_path):
         # the tc change took effect (chunk 2 partly rides on the tbf burst)
         assert res.decisions[3].measured_gbps < 0.03 < res.decisions[0].measured_gbps
         store.backend.close()
+
+
+def test_netns_shapes_both_ways_and_cleans_up():
+    import os
+
+    import redis
+
+    from cachegen.errors import ConfigError
+    from cachegen.stream.netns import NetnsRedis
+
+    data = os.urandom(1_500_000)
+    with NetnsRedis(gbps=10.0, port=6398) as n:
+        ns = n.ns
+        r = redis.Redis.from_url(n.url.split("?")[0], socket_timeout=30)
+        r.set("k", data)
+        n.set_rate(0.1)
+        t = time.perf_counter()
+        assert r.get("k") == data
+        slow = time.perf_counter() - t
+        assert slow > 0.09  # 12 Mbit at 100 Mbit/s, less the tbf burst
+        n.set_rate(10.0)
+        t = time.perf_counter()
+        assert r.get("k") == data
+        assert time.perf_counter() - t < slow
+        with pytest.raises(ConfigError):
+            n.set_rate(0)
+        r.close()
+    assert ns not in os.popen("ip netns list").read()

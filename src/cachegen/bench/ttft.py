@@ -10,7 +10,7 @@ tail. Encoding is offline (done at ingest) and not counted.
 
 Links: ``inproc`` sleeps as long as the bytes would take at that bandwidth
 (:class:`cachegen.stream.link.ThrottledLink`); ``netns`` fetches them with
-redis-py from a redis-server behind a tc-shaped veth (:mod:`cachegen.bench.link`).
+redis-py from a redis-server behind a tc-shaped veth (:mod:`cachegen.stream.netns`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from cachegen.bench.baselines import CHUNK_TOKENS, KVCodec, label
 from cachegen.bench.quality import text_ids
 from cachegen.engine.hf_cache import to_transformers
 from cachegen.engine.prefill import prefill
-from cachegen.errors import ConfigError
+from cachegen.errors import ConfigError, StoreUnavailable
 from cachegen.kv import KVCache
 
 TTFT_FIELDS = ("method", "level", "bandwidth_gbps", "ttft_s")
@@ -69,32 +69,40 @@ class InprocFetcher:
 
 
 class NetnsFetcher:
-    """Fetch blobs with redis-py GETs from a redis-server behind a shaped veth."""
+    """Fetch blobs with redis-py GETs from a redis-server behind a shaped veth (:mod:`cachegen.stream.netns`)."""
 
     kind = "netns"
 
     def __init__(self) -> None:
-        from cachegen.bench.link import NetnsRedisLink
+        import redis
 
-        self.link = NetnsRedisLink()
-        self.link.start()
+        from cachegen.stream.netns import NetnsRedis
+
+        self.link = NetnsRedis(gbps=10.0, port=6390).start()
+        self.client = redis.Redis.from_url(self.link.url.split("?")[0], socket_timeout=60)
         self.counts: dict[str, int] = {}
 
     def stage(self, key: str, blobs: list[bytes]) -> None:
+        pipe = self.client.pipeline(transaction=False)
         for i, b in enumerate(blobs):
-            self.link.put(f"{key}:{i}", b)
+            pipe.set(f"{key}:{i}", b)
+        pipe.execute()
         self.counts[key] = len(blobs)
 
     def set_bandwidth(self, gbps: float) -> None:
-        self.link.set_bandwidth(gbps)
+        self.link.set_rate(gbps)
 
     def begin(self) -> None:
         pass
 
     def fetch(self, key: str, i: int) -> bytes:
-        return self.link.get(f"{key}:{i}")
+        data = self.client.get(f"{key}:{i}")
+        if data is None:
+            raise StoreUnavailable(f"blob {key}:{i} is missing from the namespaced redis")
+        return data
 
     def close(self) -> None:
+        self.client.close()
         self.link.close()
 
 

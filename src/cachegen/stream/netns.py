@@ -119,6 +119,8 @@ class NetnsRedis:
         return self
 
     def set_rate(self, gbps: float) -> None:
+        if gbps <= 0:
+            raise ConfigError("bandwidth must be positive")
         if gbps == self.gbps:
             return
         self.gbps = gbps
