@@ -112,7 +112,8 @@ def cmd_all(args) -> int:
     from cachegen.bench.all import run_all
 
     run_all(args.out, model=args.model, dtype=args.dtype, codecs=args.codecs, needle_cases=args.needle_cases,
-            quick=args.quick, link=args.link, log=_log, codec_bench=not args.skip_codec)
+            quick=args.quick, link=args.link, log=_log, codec_bench=not args.skip_codec, stream=not args.skip_stream,
+            ttft_dtype=args.ttft_dtype)
     return 0
 
 
@@ -176,6 +177,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small sizes (a few minutes), for a smoke test")
     p.add_argument("--link", choices=("inproc", "netns"), default="inproc")
     p.add_argument("--skip-codec", action="store_true", help="leave out `bench codec`")
+    p.add_argument("--skip-stream", action="store_true", help="leave out `bench stream`")
+    p.add_argument("--ttft-dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                   help="model dtype for time-to-first-token runs (default bf16, the serving dtype)")
     p.set_defaults(func=cmd_all)
     return bench
 
