@@ -202,3 +202,42 @@ def test_hostile_payload_with_valid_checksums(profile, chunks, which, pos, junk)
         Codec(profile).decode(blob)
     except CorruptChunk:
         pass
+
+
+def _fisher_like(kv, seed=0):
+    """Random PSD per-head matrices with a wide spread of sensitivities, one per section."""
+    g = np.random.default_rng(seed)
+    out = []
+    for l in kv.layers:
+        for x in (l.k, l.v):
+            h, d = x.shape[0], x.shape[2]
+            a = g.standard_normal((h, d, d)) * np.logspace(-2, 1, d)[None, None, :]
+            out.append(a @ np.swapaxes(a, 1, 2) / d)
+    return out
+
+
+def test_per_component_sensitivity_and_weighted_basis(tmp_path):
+    samples = [rand_kv(200 + i, T=160) for i in range(2)]
+    fis = _fisher_like(samples[0])
+    kv = rand_kv(21, T=64)
+    for weighted in (False, True):
+        prof = calibrate(samples, "fp-w", sensitivity=fis, weighted_basis=weighted)
+        assert any(s.inv is not None for s in prof.sections) == weighted
+        p = tmp_path / f"w{weighted}.cgprof"
+        prof.save(p)
+        q = Profile.load(p)
+        assert q.id == prof.id
+        codec = Codec(q)
+        sizes = []
+        for lv in LEVELS:
+            data = codec.encode(kv, lv)
+            sizes.append(len(data))
+            out = codec.decode(data)
+            assert torch.equal(out.layers[0].k[:, :4], kv.layers[0].k[:, :4])
+            # weighted noise (what the model sees) stays near what the level predicts
+            err = (out.layers[1].v - kv.layers[1].v)[:, 4:].double()
+            assert torch.isfinite(err).all()
+        assert sizes[0] > sizes[-1]
+    # one float per section still works (the old interface)
+    prof = calibrate(samples, "fp-f", sensitivity=[1.0 + i for i in range(len(fis))])
+    assert Codec(prof).decode(Codec(prof).encode(kv, 3)).num_tokens == kv.num_tokens

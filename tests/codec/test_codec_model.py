@@ -23,7 +23,7 @@ def test_levels_order_quality_on_real_kv(smol):
     from cachegen.bench.quality_metrics import measure_quality
     from cachegen.codec.model_profile import _kv_of, calibrate_for_model
 
-    prof = calibrate_for_model(smol, sample_tokens=512, n_samples=1, fisher_context=256, fisher_cont=32)
+    prof = calibrate_for_model(smol, sample_tokens=512, n_samples=1, fisher_context=256, fisher_cont=32, n_fisher=1)
     ids = torch.tensor(smol.tokenizer(Path("/usr/share/common-licenses/GPL-3").read_text())["input_ids"][:448])
     kv = _kv_of(smol.model, ids[:384])
     codec = Codec(prof)

@@ -69,3 +69,48 @@ def test_hostile_blobs(junk, pos):
         rans.decode(bytes(good), [m])
     except CorruptChunk:
         pass
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams(), st.integers(8, 14), st.integers(0, 3))
+def test_interleaved_roundtrip_exact(data, prec, ntab):
+    sym, a = data
+    if a > (1 << prec):
+        prec = 14
+    rng = np.random.default_rng(int(sym.sum()) + ntab)
+    models = []
+    for k in range(ntab + 1):
+        counts = np.bincount(sym.ravel().astype(np.int64), minlength=a) + rng.integers(0, 3, a) + (np.arange(a) == 0)
+        models.append(rans.Categorical.from_counts(counts, prec))
+    tables = rans.Tables.build(models)
+    col = np.ascontiguousarray(sym.T)  # token-major (n, S)
+    idx = rng.integers(0, ntab + 1, col.shape[1])
+    words = rans.encode_interleaved(col, idx, tables)
+    assert np.array_equal(rans.decode_interleaved(words, col.shape[0], idx, tables), col)
+    if col.size:  # one stream, at most LANES states of overhead
+        assert words.size <= 2 * min(rans.LANES, col.shape[1]) + col.size
+
+
+def test_interleaved_size_near_entropy():
+    rng = np.random.default_rng(3)
+    sym = (rng.geometric(0.3, size=(256, 192)) % 16).astype(np.uint8)
+    m = rans.Categorical.from_counts(np.bincount(sym.ravel(), minlength=16))
+    words = rans.encode_interleaved(sym, np.zeros(192, dtype=np.int64), rans.Tables.build([m]))
+    assert words.size * 16 < sym.size * m.entropy_bits() * 1.005 + 16 * 2 * rans.LANES + 32
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 10**9), st.binary(min_size=1, max_size=6), st.integers(-3, 3))
+def test_interleaved_hostile_words(pos, junk, dlen):
+    m = rans.Categorical.from_counts(np.array([50, 30, 10, 5, 1, 1]), 12)
+    t = rans.Tables.build([m])
+    sym = np.random.default_rng(0).integers(0, 6, size=(40, 20)).astype(np.uint8)
+    w = bytearray(rans.encode_interleaved(sym, np.zeros(20, dtype=np.int64), t).tobytes())
+    p = pos % len(w)
+    w[p : p + len(junk)] = junk
+    w = w[: max(0, len(w) + 2 * dlen)] if dlen < 0 else w + bytes(2 * dlen)
+    words = np.frombuffer(bytes(w[: len(w) // 2 * 2]), dtype=np.uint16)
+    try:
+        rans.decode_interleaved(words, 40, np.zeros(20, dtype=np.int64), t)
+    except CorruptChunk:
+        pass

@@ -3,9 +3,10 @@
 Lossy path per section (layer x K/V): the first ``n_sink`` tokens of the
 context (attention sink) are stored exactly; the rest go through the
 profile's transform (mean, per-head PCA basis), a uniform quantizer with a
-step per component (sensitivity-weighted per layer), and static rANS with the
-profile's tables, one stream per component. Lossless path: the raw bytes of
-each value, split into byte planes, rANS-coded with per-chunk tables.
+step per basis component (weighted by that component's Fisher sensitivity),
+and static rANS with the profile's tables: one interleaved word stream per
+section, 16 shared states. Lossless path: the raw bytes of each value, split
+into byte planes, rANS-coded with per-chunk tables (one stream per column).
 """
 
 from __future__ import annotations
@@ -202,12 +203,12 @@ def _encode_lossy(job) -> bytes:
     sym = np.empty(y.shape, dtype=np.uint8)
     esc = np.empty(y.size + 1, dtype=np.int32)
     n_esc = quant.quantize(y, (np.float32(1.0) / step).astype(np.float32), cls, tables.freq, sym, esc)
-    words, lengths = rans.encode_columns(sym, cls, tables, check=False)
+    words = rans.encode_interleaved(sym, cls, tables)
     return b"".join(
         [
             struct.pack("<I", len(sink_raw)), sink_raw,
             struct.pack("<I", n_esc), esc[:n_esc].astype("<i4").tobytes(),
-            lengths.astype("<u4").tobytes(), words.astype("<u2").tobytes(),
+            words.astype("<u2").tobytes(),
         ]
     )
 
@@ -280,13 +281,12 @@ def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, pr
         raise CorruptChunk(f"section {i}: escape count out of range")
     esc = np.zeros(n_esc + 1, dtype=np.int32)
     esc[:n_esc] = np.frombuffer(r.take(4 * n_esc), dtype="<i4")
-    lengths = np.frombuffer(r.take(4 * c), dtype="<u4").astype(np.int64)
     wb = r.rest()
     if len(wb) % 2:
         raise CorruptChunk(f"section {i}: odd word payload")
-    words = np.frombuffer(wb, dtype="<u2").astype(np.uint16)
+    words = np.frombuffer(wb, dtype="<u2")
     _check_budget(t, c, words.size, tables, f"section {i}")
-    sym = rans.decode_columns(words, lengths, t, cls, tables)
+    sym = rans.decode_interleaved(words, t, cls, tables)
     y = np.empty((t, c), dtype=np.float32)
     used = quant.dequantize(sym, lp.steps[i], esc, n_esc, y)
     if used != n_esc:

@@ -20,9 +20,13 @@ Usage::
     back = rans.decode(data, [m])              # bit-exact
     # several models: rans.encode(sym, [m0, m1], table_index=[0, 1, 1, 0, ...])
 
-Lower level (used by the codec, no copies): :class:`Tables` stacks models,
-:func:`encode_columns` / :func:`decode_columns` take token-major arrays
-``(n, n_streams)`` where column ``s`` is stream ``s``.
+Lower level: :class:`Tables` stacks models; :func:`encode_columns` /
+:func:`decode_columns` take token-major arrays ``(n, n_streams)`` where column
+``s`` is stream ``s`` (one state and one length per column: lossless path);
+:func:`encode_interleaved` / :func:`decode_interleaved` code a whole
+token-major block as ONE word stream with :data:`LANES` shared states (column
+``c`` on lane ``c % LANES``): the lossy codec's format, 64 bytes of state per
+section instead of 8 bytes per column.
 
 Stream format: each stream is its final 32-bit state (two 16-bit words, high
 first) followed by its renormalisation words in decode order. :func:`encode`
@@ -128,6 +132,7 @@ class Tables:
     inv: np.ndarray  # (n_tables, A) float64, 1/freq (0 where freq == 0)
     lut: np.ndarray  # (n_tables, 2**precision) uint8 or uint16 slot -> symbol
     packed: np.ndarray | None = None  # (n_tables, 2**precision) int32: sym<<24 | (freq-1)<<12 | (slot-cum); prec<=12, A<=256
+    fc: np.ndarray | None = None  # (n_tables, A) int64: freq | cum << 16 (encoder)
 
     @classmethod
     def build(cls, models: Sequence[Categorical]) -> "Tables":
@@ -157,7 +162,7 @@ class Tables:
             fr = np.take_along_axis(freq, li, axis=1)
             cu = np.take_along_axis(cum, li, axis=1)
             packed = ((li << 24) | ((fr - 1) << 12) | (sl - cu)).astype(np.int32)
-        return cls(prec, freq, cum, inv, lut, packed)
+        return cls(prec, freq, cum, inv, lut, packed, np.ascontiguousarray(freq | (cum << 16)))
 
     @property
     def n_tables(self) -> int:
@@ -312,6 +317,184 @@ def _decode_kernel_packed(words, offsets, tab_idx, packed, prec, out):
             if states[j] != 65536 or ptrs[j] != offsets[s0 + j + 1]:
                 bad += 1
     return bad
+
+
+
+# -- interleaved kernels: one word stream per section, LANES states shared by all columns ----------------
+#
+# Column ``c`` of a token-major block ``(n, S)`` is coded by lane ``c % LANES``;
+# symbols are visited token by token, column by column (decode order), and
+# every lane renormalises into the same word stream. Per section the only
+# overhead is LANES 32-bit final states (vs one state and one length per
+# column), and the decoder writes its output rows contiguously.
+
+LANES = 16
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def _encode_il_kernel(sym, tab_idx, fc, inv, prec, out):
+    """Encode ``sym`` (n, S) backwards into the end of ``out``; returns (first word index, bad symbol count).
+
+    ``fc[k, y] = freq | cum << 16`` (one load per symbol for both), ``inv[k, y] = 1/freq``."""
+    n = sym.shape[0]
+    S = sym.shape[1]
+    nl = min(16, S)
+    shift_max = 32 - prec
+    A = fc.shape[1]
+    fcf = fc.ravel()
+    invf = inv.ravel()
+    tb = tab_idx * A
+    states = np.empty(16, dtype=np.int64)
+    for j in range(16):
+        states[j] = 65536
+    p = out.shape[0]
+    bad = 0
+    for t in range(n - 1, -1, -1):
+        row = sym[t]
+        for c in range(S - 1, -1, -1):
+            j = c & 15
+            ix = tb[c] + np.int64(row[c])
+            e = fcf[ix]
+            f = e & 0xFFFF
+            bad += f == 0
+            x = states[j]
+            flag = np.int64(x >= (f << shift_max))
+            out[p - 1] = np.uint16(x & 0xFFFF)
+            p -= flag
+            x = x >> (flag << 4)
+            q = np.int64(x * invf[ix] + 6.103515625e-05)
+            states[j] = (q << prec) + (x - q * f) + (e >> 16)
+    for j in range(nl - 1, -1, -1):
+        x = states[j]
+        out[p - 1] = np.uint16(x & 0xFFFF)
+        out[p - 2] = np.uint16(x >> 16)
+        p -= 2
+    return p, bad
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def _decode_il_kernel(words, nwords, tab_idx, packed, prec, out):
+    """Decode ``out`` (n, S) from one interleaved word stream; returns 0 iff it ended cleanly.
+
+    ``words`` holds the ``nwords`` stream words followed by at least ``S + 1`` pad words, so a row
+    (which reads at most ``S`` words) never needs a bounds check once its start is checked."""
+    n = out.shape[0]
+    S = out.shape[1]
+    nl = min(16, S)
+    mask = (np.int64(1) << prec) - 1
+    states = np.empty(16, dtype=np.int64)
+    for j in range(nl):
+        states[j] = (np.int64(words[2 * j]) << 16) | np.int64(words[2 * j + 1])
+    tb = tab_idx * (mask + 1)
+    pk = packed.ravel()
+    p = 2 * nl
+    for t in range(n):
+        if p > nwords:
+            return 1
+        row = out[t]
+        for c in range(S):
+            j = c & 15
+            x = states[j]
+            e = np.int64(pk[tb[c] + (x & mask)])
+            x = (((e >> 12) & 0xFFF) + 1) * (x >> prec) + (e & 0xFFF)
+            flag = np.int64(x < 65536)
+            w = np.int64(words[p])
+            states[j] = (x << (flag << 4)) | (w & (-flag))
+            p += flag
+            row[c] = np.uint8(e >> 24)
+    bad = np.int64(p != nwords)
+    for j in range(nl):
+        bad += states[j] != 65536
+    return bad
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def _decode_il_kernel_generic(words, tab_idx, freq, cum, lut, prec, out):
+    """:func:`_decode_il_kernel` for any precision / alphabet (separate freq, cum and slot tables)."""
+    n = out.shape[0]
+    S = out.shape[1]
+    nl = min(16, S)
+    mask = (np.int64(1) << prec) - 1
+    last = words.shape[0] - 1
+    states = np.empty(16, dtype=np.int64)
+    for j in range(nl):
+        states[j] = (np.int64(words[min(2 * j, last)]) << 16) | np.int64(words[min(2 * j + 1, last)])
+    p = 2 * nl
+    for t in range(n):
+        row = out[t]
+        for c in range(S):
+            j = c & 15
+            x = states[j]
+            k = tab_idx[c]
+            slot = x & mask
+            y = lut[k, slot]
+            yi = np.int64(y)
+            x = freq[k, yi] * (x >> prec) + slot - cum[k, yi]
+            flag = np.int64(x < 65536)
+            w = np.int64(words[min(p, last)])
+            states[j] = (x << (flag << 4)) | (w & (-flag))
+            p += flag
+            row[c] = y
+    bad = np.int64(p != words.shape[0])
+    for j in range(nl):
+        bad += states[j] != 65536
+    return bad
+
+
+def encode_interleaved(sym: np.ndarray, table_index: np.ndarray, tables: Tables) -> np.ndarray:
+    """Encode token-major ``sym`` (n, S) into one word stream (uint16): ``min(S, LANES)`` states, then words.
+
+    Column ``c`` uses model ``table_index[c]``. Empty input gives an empty stream."""
+    sym = np.ascontiguousarray(sym)
+    if sym.ndim != 2:
+        raise CodecError("symbols must be 2-D")
+    n, S = sym.shape
+    table_index = np.ascontiguousarray(table_index, dtype=np.int64)
+    if table_index.shape != (S,):
+        raise CodecError("need one table index per column")
+    if S and (table_index.min() < 0 or table_index.max() >= tables.n_tables):
+        raise CodecError("table index out of range")
+    if n * S == 0:
+        return np.empty(0, dtype=np.uint16)
+    if int(sym.max()) >= tables.alphabet_size:
+        raise CodecError("symbol outside the alphabet")
+    out = np.empty(n * S + 2 * LANES + 1, dtype=np.uint16)
+    fc = tables.fc if tables.fc is not None else np.ascontiguousarray(tables.freq | (tables.cum << 16))
+    p, bad = _encode_il_kernel(sym, table_index, fc, tables.inv, tables.precision, out)
+    if bad:
+        raise CodecError("a symbol has probability 0 in its model")
+    return out[p:]
+
+
+def decode_interleaved(words: np.ndarray, n: int, table_index: np.ndarray, tables: Tables, out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of :func:`encode_interleaved` into token-major (n, S); CorruptChunk if the stream is inconsistent.
+
+    Never reads outside ``words``; the caller bounds ``n`` against the payload size before allocating."""
+    table_index = np.ascontiguousarray(table_index, dtype=np.int64)
+    S = table_index.shape[0]
+    if S and (table_index.min() < 0 or table_index.max() >= tables.n_tables):
+        raise CorruptChunk("table index out of range")
+    if out is None:
+        out = np.empty((n, S), dtype=tables.symbol_dtype)
+    elif out.shape != (n, S) or out.dtype != tables.symbol_dtype:
+        raise CodecError("bad output buffer")
+    words = np.asarray(words)
+    if n * S == 0:
+        if words.size:
+            raise CorruptChunk("empty block with a non-empty rANS stream")
+        return out
+    if words.size < 2 * min(LANES, S):
+        raise CorruptChunk("rANS stream shorter than its states")
+    if tables.packed is not None:
+        padded = np.zeros(words.size + S + 1, dtype=np.uint16)
+        padded[: words.size] = words
+        bad = _decode_il_kernel(padded, words.size, table_index, tables.packed, tables.precision, out)
+    else:
+        words = np.ascontiguousarray(words, dtype=np.uint16)
+        bad = _decode_il_kernel_generic(words, table_index, tables.freq, tables.cum, tables.lut, tables.precision, out)
+    if bad:
+        raise CorruptChunk("rANS stream did not end in the initial state")
+    return out
 
 
 # -- low level API ---------------------------------------------------------------

@@ -1,42 +1,72 @@
-"""Per-section sensitivity of a model's output to KV noise (empirical Fisher, one backward pass).
+"""Sensitivity of a model's output to KV noise (empirical Fisher from backward passes).
 
-Why: KL added by small noise of variance ``v`` on one value is about
-``0.5 * v * F`` with ``F`` the Fisher information of that value. We sample the
+Why: KL added by small noise ``e`` on a head's key or value vectors is about
+``0.5 * e^T F e`` with ``F`` the Fisher information. We sample the
 continuation's next tokens from the model itself, back-propagate their
-log-likelihood to the (non-sink) context KV, and average ``grad**2`` per
-section: ``s[i] = sum_tokens mean_channels grad**2 / n_continuation``. The
-profile sets steps so that ``0.5 * sum s * step**2 / 12`` meets each level's
-KL target. Only torch is used; ``model`` is any transformers causal LM.
+log-likelihood to the (non-sink) context KV, and accumulate per head the
+matrix ``F = sum_tokens g g^T / n_continuation`` (D x D). The profile projects
+it on its PCA basis, so every basis component gets its own weight (measured
+sensitivities differ by orders of magnitude between components of one head,
+not only between layers), and sets steps so the predicted KL meets each
+level's target. The sink tokens are kept exact by the codec, so their
+gradients are left out. Averaging over several contexts removes most of the
+run-to-run noise of a single backward pass. Only torch is used; ``model`` is
+any transformers causal LM.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import numpy as np
 import torch
 
 from cachegen.engine.hf_cache import from_transformers, recording_cache, to_transformers
 from cachegen.kv import KVCache, KVLayer
 
 
-def fisher_sensitivity(model, context_ids: torch.Tensor, cont_ids: torch.Tensor, n_sink: int = 4, samples: int = 2, seed: int = 0) -> tuple[list[float], KVCache]:
-    """Return (sensitivity per section ``2*layer + kv``, the context KV). ids are 1-D token tensors."""
-    cfg = model.config
+def _context_kv(model, context_ids: torch.Tensor) -> KVCache:
     with torch.no_grad():
-        c = recording_cache(cfg)
+        c = recording_cache(model.config)
         out = model(input_ids=context_ids[None], cache=c, use_cache=True)
-        kv = from_transformers(out.cache, cfg)
-    acc = [0.0] * (2 * kv.num_layers)
+        return from_transformers(out.cache, model.config)
+
+
+def fisher_matrices(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], n_sink: int = 4, samples: int = 2, seed: int = 0) -> list[np.ndarray]:
+    """Per section ``2*layer + kv``: Fisher matrices (heads, D, D) float64, averaged over ``pairs`` of (context, continuation) ids."""
+    cfg = model.config
+    acc: list[np.ndarray] | None = None
     g = torch.Generator().manual_seed(seed)
-    for _ in range(samples):
-        leaves = [(l.k.clone().requires_grad_(True), l.v.clone().requires_grad_(True)) for l in kv.layers]
-        kv_g = KVCache([KVLayer(k, v, l.kind, l.window) for (k, v), l in zip(leaves, kv.layers)], start=0)
-        logits = model(input_ids=cont_ids[None], cache=to_transformers(kv_g, cfg), use_cache=True).logits[0]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        with torch.no_grad():
-            y = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
-        loss = logp.gather(1, y[:, None]).sum()
-        loss.backward()
-        for li, (k, v) in enumerate(leaves):
-            for j, t in enumerate((k, v)):
-                gr = t.grad[:, n_sink:]
-                acc[2 * li + j] += float((gr.double() ** 2).sum(dim=1).mean()) / len(cont_ids) / samples
-    return acc, kv
+    for context_ids, cont_ids in pairs:
+        kv = _context_kv(model, context_ids)
+        if acc is None:
+            acc = [np.zeros((t.shape[0], t.shape[2], t.shape[2])) for l in kv.layers for t in (l.k, l.v)]
+        for _ in range(samples):
+            leaves = [(l.k.clone().requires_grad_(True), l.v.clone().requires_grad_(True)) for l in kv.layers]
+            kv_g = KVCache([KVLayer(k, v, l.kind, l.window) for (k, v), l in zip(leaves, kv.layers)], start=0)
+            logits = model(input_ids=cont_ids[None], cache=to_transformers(kv_g, cfg), use_cache=True).logits[0]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            with torch.no_grad():
+                y = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
+            logp.gather(1, y[:, None]).sum().backward()
+            w = 1.0 / (len(cont_ids) * samples * len(pairs))
+            with torch.no_grad():
+                for li, (k, v) in enumerate(leaves):
+                    for j, t in enumerate((k, v)):
+                        gr = t.grad[:, n_sink:].double()
+                        acc[2 * li + j] += (torch.einsum("htd,hte->hde", gr, gr) * w).numpy()
+    assert acc is not None
+    return acc
+
+
+def fisher_sensitivity(model, context_ids: torch.Tensor, cont_ids: torch.Tensor, n_sink: int = 4, samples: int = 2, seed: int = 0,
+                       per_component: bool = False) -> tuple[list, KVCache]:
+    """Return (sensitivity per section ``2*layer + kv``, the context KV). ids are 1-D token tensors.
+
+    Per section: a float (the mean per-channel Fisher, summed over context tokens), or with
+    ``per_component`` the (heads, D, D) Fisher matrices that :func:`cachegen.codec.calibrate` accepts too."""
+    mats = fisher_matrices(model, [(context_ids, cont_ids)], n_sink, samples, seed)
+    kv = _context_kv(model, context_ids)
+    if per_component:
+        return mats, kv
+    return [float(np.mean(np.diagonal(m, axis1=1, axis2=2))) for m in mats], kv

@@ -28,10 +28,13 @@ def forward_section(sp: SectionLike, x: torch.Tensor) -> np.ndarray:
 
 
 def inverse_section(sp: SectionLike, y: np.ndarray, heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """y (T, H*D) -> x (H, T, D) in ``dtype``."""
+    """y (T, H*D) -> x (H, T, D) in ``dtype`` (``x = y @ inv + mean``, ``inv = basis.T`` unless given)."""
     t = y.shape[0]
     yt = torch.from_numpy(y).view(t, heads, dim)
-    if sp.basis is not None:
+    inv = getattr(sp, "inv", None)
+    if inv is not None:
+        x = torch.einsum("the,hed->htd", yt, torch.from_numpy(inv))
+    elif sp.basis is not None:
         x = torch.einsum("the,hde->htd", yt, torch.from_numpy(sp.basis))
     else:
         x = yt.permute(1, 0, 2)
