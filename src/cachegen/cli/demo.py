@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
             say(f"    level per chunk: {picks}")
             sent = sum(d.bytes for d in res.decisions)
             say(f"    fetched {_mib(sent)} in {res.fetch_s:.2f}s of link time, decoded in {res.decode_s:.2f}s, "
-                f"recomputed {res.recompute_s:.2f}s; load {res.load_s:.2f}s"
+                f"recomputed {res.recompute_s:.2f}s; load {res.load_s:.2f}s "
+                + (f"(deadline missed by {res.load_s - slo:.2f}s)" if res.missed else "(deadline met)")
                 + (f"; faults: {'; '.join(res.faults)}" if res.faults else ""))
         say(f"    answer: {b.text.strip()!r}  ({'correct' if corpus.is_correct(b.text, case) else 'WRONG'})")
         say(f"    time to first token: {b.ttft_s:.2f}s ({a.ttft_s / max(b.ttft_s, 1e-9):.1f}x faster than recompute)")

@@ -141,9 +141,19 @@ class Engine:
                                policy=policy, levels=self.store.levels, reserve_s=reserve_s, dtype=self.model.dtype,
                                estimator=self.estimator)
 
+    STITCH_BYTES_PER_S = 3e9  # joining the decoded chunks is a memory copy, ~3 GB/s here
+
+    def stitch_reserve_s(self, n_tokens: int) -> float:
+        """Time to keep back from the deadline for joining the chunks, which the planner does not model."""
+        c = self.model.config.get_text_config(decoder=True)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        nbytes = n_tokens * 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * self.model.dtype.itemsize
+        return nbytes / self.STITCH_BYTES_PER_S
+
     def load(self, context_ids: Sequence[int], slo_s: float | None = None, link=None, policy=ADAPTIVE) -> LoadResult:
         """The KV of the cached prefix of ``context_ids`` (the loader recomputes on any fault)."""
-        return self.loader(slo_s, link, policy).load(list(context_ids))
+        reserve = self.stitch_reserve_s(len(context_ids))
+        return self.loader(slo_s, link, policy, reserve_s=reserve).load(list(context_ids))
 
     def generate(self, context_ids: Sequence[int], question_ids: Sequence[int], max_new_tokens: int = 16,
                  use_cache: bool = True, slo_s: float | None = None, link=None, policy=ADAPTIVE) -> Generation:
@@ -161,7 +171,7 @@ class Engine:
         kv: KVCache | None = None
         if use_cache:
             try:
-                res = self.loader(slo_s, link, policy).load(context_ids)
+                res = self.load(context_ids, slo_s, link, policy)
             except StoreError:  # the store failed before the loader could: answer from text
                 res = None
             kv = res.kv if res is not None else None
