@@ -100,7 +100,50 @@ def test_sim_random_trace_guard_lowers_misses():
     miss = {}
     for policy, guard in (("adaptive", True), ("adaptive", False), ("rule", False)):
         est = ThroughputEstimator()
-        rs = [simulate_load(cs, t, COSTS, slo, policy=policy, estimator=est, seed=s, guard=guard, cpu_noise=0.0)
+        rs = [simulate_load(cs, t, COSTS, slo, policy=policy, estimator=est, seed=s, guard=guard, spread=False,
+                            cpu_noise=0.0)
               for s, t in enumerate(traces)]
         miss[policy, guard] = sum(r.missed for r in rs) / len(rs)
     assert miss["adaptive", True] < miss["adaptive", False] <= miss["rule", False] + 0.02, miss
+
+
+def test_spread_is_the_std_of_seconds_per_bit():
+    est = ThroughputEstimator()
+    for g in (1.0, 1.0, 1.0):
+        est.add_gbps(g)
+    assert est.spread() is None  # too few samples to say
+    est.add_gbps(1.0)
+    assert est.spread() == 0.0  # a steady link: no margin
+    est.add_gbps(0.5)
+    x = [1e-9] * 4 + [2e-9]
+    m = sum(x) / 5
+    assert abs(est.spread() - (sum((v - m) ** 2 for v in x) / 4) ** 0.5) < 1e-21
+
+
+def test_spread_margin_picks_smaller_levels_and_vanishes_on_a_steady_link():
+    cs = chunks()
+    steady, jumpy = ThroughputEstimator(), ThroughputEstimator()
+    for g in (0.2,) * 8:  # slow enough that the network, not decoding, sets the pace
+        steady.add_gbps(g)
+    for g in (0.02, 0.9, 0.05, 0.6, 0.03, 0.8, 0.1, 0.4):
+        jumpy.add_gbps(g)
+    k = kw(steady, time_left_s=simulate(cs, [3] * 16, 0.2, COSTS) + 0.01)
+    assert decide("adaptive", cs, COSTS, spread_s_per_bit=steady.spread(), **k) == decide("adaptive", cs, COSTS, **k)
+    k = kw(jumpy, time_left_s=simulate(cs, [3] * 16, min(jumpy.estimate(), jumpy.harmonic_mean()), COSTS) + 0.01)
+    plain = decide("adaptive", cs, COSTS, **k)
+    hedged = decide("adaptive", cs, COSTS, spread_s_per_bit=jumpy.spread(), **k)
+    assert hedged != TEXT and hedged > plain
+
+
+def test_sim_random_trace_spread_lowers_misses():
+    cs = chunks()
+    traces = [make_trace("random", 16, seed=s) for s in range(120)]
+    med = statistics.median(g for t in traces for _, g in t.points)
+    slo = simulate(cs, [4] * 16, med, COSTS) + 0.05
+    miss = {}
+    for spread in (True, False):
+        est = ThroughputEstimator()
+        rs = [simulate_load(cs, t, COSTS, slo, estimator=est, seed=s, spread=spread, cpu_noise=0.0)
+              for s, t in enumerate(traces)]
+        miss[spread] = sum(r.missed for r in rs) / len(rs)
+    assert miss[True] < miss[False], miss

@@ -53,6 +53,19 @@ class ThroughputEstimator:
             self._samples.append(float(gbps))
             self._history.append(float(gbps))
 
+    def spread(self) -> float | None:
+        """Standard deviation of the seconds per bit over the history (None: fewer than 4 samples).
+
+        Transfer time is bytes times seconds-per-bit, so this is what the planner
+        needs to bound how much the remaining chunks' total time may vary."""
+        with self._lock:
+            h = list(self._history)
+        if len(h) < 4:
+            return None
+        x = [1.0 / (g * 1e9) for g in h]
+        m = sum(x) / len(x)
+        return (sum((v - m) ** 2 for v in x) / (len(x) - 1)) ** 0.5
+
     def low(self, q: float = 0.0) -> float:
         """The ``q`` quantile (default: the minimum) of the last ``history`` samples (the prior
         when there are none): how slow one chunk's fetch may plausibly be. Equals the rate on a

@@ -108,14 +108,15 @@ class StreamingLoader:
     ``reserve_s``: time kept back from the SLO for what follows the load (suffix prefill).
     ``estimator``: pass the same one to every load over a link (the next load starts from
     what the last one measured); a fresh one without a prior makes the first chunk a probe
-    at the smallest level. ``guard``: see :func:`~cachegen.stream.planner.choose_adaptive`.
+    at the smallest level. ``spread`` (default) and ``guard``: the two ways of hedging against
+slow fetches, see :func:`~cachegen.stream.planner.choose_adaptive` and docs/streaming.md.
     """
 
     def __init__(self, store, codec, recompute: Recompute, costs: CostModel | None = None, slo_s: float | None = 1.0,
                  link=None, policy: Union[str, int] = ADAPTIVE, estimator: ThroughputEstimator | None = None,
                  levels: Sequence[int] | None = None, prefetch: int = 1, reserve_s: float = 0.0,
                  safety: float = 0.95, dtype: torch.dtype | None = None, values_per_token: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter, guard: bool = True):
+                 clock: Callable[[], float] = time.perf_counter, guard: bool = False, spread: bool = True):
         if prefetch < 1:
             raise ConfigError("prefetch must be >= 1")
         if not (policy in (ADAPTIVE, RULE, TEXT) or isinstance(policy, int)):
@@ -131,6 +132,7 @@ class StreamingLoader:
         self.reserve_s = reserve_s
         self.safety = safety
         self.guard = guard  # adaptive: keep each chunk recoverable if its fetch runs at estimator.low()
+        self.spread = spread  # adaptive: keep 2 std devs of the remaining transfer time in hand
         self.dtype = dtype
         self.clock = clock
         self._values_per_token = values_per_token
@@ -158,7 +160,8 @@ class StreamingLoader:
         choice = decide(self.policy, chunks[i:], self.costs,
                         time_left_s=None if self.slo_s is None else deadline - self.clock(), cpu_busy_s=cpu_busy,
                         est_gbps=g, last_gbps=last, tail_gbps=e.harmonic_mean(), known=e.known,
-                        worst_gbps=e.low() if self.guard else None, share_s=share,
+                        worst_gbps=e.low() if self.guard else None,
+                        spread_s_per_bit=e.spread() if self.spread else None, share_s=share,
                         prev=prev, allowed=self.levels, safety=self.safety)
         return choice, (last if self.policy == RULE else g)
 

@@ -110,7 +110,8 @@ def tail_at(chunks: Sequence[PlanChunk], level: Choice, gbps: float, costs: Cost
 
 def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostModel, state: PipelineState,
                     allowed: Sequence[int] | None = None, tail_gbps: float | None = None,
-                    safety: float = 1.0, worst_gbps: float | None = None) -> Prediction:
+                    safety: float = 1.0, worst_gbps: float | None = None,
+                    spread_s_per_bit: float | None = None, z: float = 2.0) -> Prediction:
     """Choice for ``remaining[0]``, the next chunk to fetch.
 
     The best level that every remaining chunk could take and still end by the
@@ -125,6 +126,11 @@ def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostMode
     fetch: a level is taken only if, were this chunk's fetch that slow, the
     remaining chunks could still end in time at their fastest option. When no
     level passes the guard it is dropped (the plan above decides alone).
+
+    ``spread_s_per_bit`` (the standard deviation of past seconds-per-bit samples)
+    makes the even plan keep ``z`` standard deviations of the remaining chunks'
+    transfer time in hand: with independent per-chunk rates the total varies by
+    ``spread * sqrt(sum of bits^2)``, so the margin shrinks as the load nears its end.
     """
     if not remaining:
         raise ValueError("no chunk to plan")
@@ -147,10 +153,17 @@ def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostMode
     def pred(o: Choice, total: float) -> Prediction:
         return Prediction(o, heads[o][1], total, total <= budget)
 
+    def margin(o: Choice) -> float:
+        if not spread_s_per_bit:
+            return 0.0
+        bits2 = sum((8 * ch.sizes[o] if o in ch.sizes else 8 * min(ch.sizes.values(), default=0)) ** 2
+                    for ch in remaining)
+        return z * spread_s_per_bit * bits2 ** 0.5
+
     # 1. an even plan
     for o in levels:
         total = tail_at(tail, o, tg, costs, *heads[o], allowed)
-        if total <= budget:
+        if total + margin(o) <= budget:
             if text_cpu <= heads[o][1]:
                 tt = tail_at(tail, o, tg, costs, text_net, text_cpu, allowed)
                 if tt <= budget:
@@ -191,7 +204,7 @@ def smallest_level(chunk: PlanChunk, allowed: Sequence[int] | None = None) -> in
 
 def decide(policy: Union[str, int], remaining: Sequence[PlanChunk], costs: CostModel, *, time_left_s: float | None,
            cpu_busy_s: float, est_gbps: float, last_gbps: float, tail_gbps: float, known: bool,
-           worst_gbps: float | None = None,
+           worst_gbps: float | None = None, spread_s_per_bit: float | None = None,
            share_s: float | None = None, prev: Choice | None = None, allowed: Sequence[int] | None = None,
            safety: float = 1.0) -> Choice:
     """The loader's per-chunk decision for ``remaining[0]`` (shared by the loader and :mod:`.sim`).
@@ -222,4 +235,4 @@ def decide(policy: Union[str, int], remaining: Sequence[PlanChunk], costs: CostM
         _, ct = _step(0.0, cpu_busy_s, ch, TEXT, est_gbps, costs)
         return TEXT if ct < c and ch.start == 0 else probe
     return choose_adaptive(remaining, est_gbps, costs, st, allowed, tail_gbps=min(est_gbps, tail_gbps),
-                           safety=safety, worst_gbps=worst_gbps).choice
+                           safety=safety, worst_gbps=worst_gbps, spread_s_per_bit=spread_s_per_bit).choice

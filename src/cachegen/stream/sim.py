@@ -38,7 +38,8 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
                   policy: Union[str, int] = "adaptive", estimator: ThroughputEstimator | None = None,
                   reserve_s: float = 0.0, allowed: Sequence[int] | None = None, safety: float = 0.95,
                   latency_s: float | None = None, cpu_noise: float = 0.2, seed: int = 0,
-                  compute_s: Callable[[int, Choice], float] | None = None, guard: bool = True) -> SimResult:
+                  compute_s: Callable[[int, Choice], float] | None = None, guard: bool = False,
+                  spread: bool = True) -> SimResult:
     """One load in virtual time. ``compute_s(i, choice)`` overrides the true compute seconds
     (default: the cost model's prediction times ``exp(N(0, cpu_noise))``)."""
     est = estimator or ThroughputEstimator()
@@ -74,7 +75,7 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
                 busy += predicted(j, choices[j])
         c = decide(policy, chunks[i:], costs, time_left_s=None if slo_s is None else deadline - t, cpu_busy_s=busy,
                    est_gbps=est.estimate(), last_gbps=est.last(), tail_gbps=est.harmonic_mean(), known=est.known,
-                   worst_gbps=est.low() if guard else None,
+                   worst_gbps=est.low() if guard else None, spread_s_per_bit=est.spread() if spread else None,
                    share_s=share, prev=choices[-1] if choices else None, allowed=allowed, safety=safety)
         choices.append(c)
         if c == TEXT:
