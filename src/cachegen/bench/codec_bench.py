@@ -11,7 +11,6 @@ of 5), split over ``threads`` Python threads.
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import numpy as np
 
 from cachegen.codec import LEVELS, LOSSLESS, Codec, rans
 from cachegen.codec import quant
+from cachegen.stream.costs import best_time
 
 
 def _text_ids(tok, n: int):
@@ -29,15 +29,6 @@ def _text_ids(tok, n: int):
     while len(ids) < n:
         ids = ids + ids
     return torch.tensor(ids[:n], dtype=torch.long)
-
-
-def _best(fn, reps: int = 3) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _entropy_speed(prof, kv, level: int, threads: int) -> tuple[float, float]:
@@ -56,8 +47,8 @@ def _entropy_speed(prof, kv, level: int, threads: int) -> tuple[float, float]:
         jobs.append((rans.encode_interleaved(sym, cls[i], tables), y.shape[0], cls[i], sym))
     n = sum(j[1] * j[2].size for j in jobs)
     with ThreadPoolExecutor(threads) as ex:
-        td = _best(lambda: list(ex.map(lambda j: rans.decode_interleaved(j[0], j[1], j[2], tables), jobs)), 5)
-        te = _best(lambda: list(ex.map(lambda j: rans.encode_interleaved(j[3], j[2], tables), jobs)), 5)
+        td = best_time(lambda: list(ex.map(lambda j: rans.decode_interleaved(j[0], j[1], j[2], tables), jobs)), 5)
+        te = best_time(lambda: list(ex.map(lambda j: rans.encode_interleaved(j[3], j[2], tables), jobs)), 5)
     return n / td / 1e6, n / te / 1e6
 
 
@@ -74,8 +65,8 @@ def run_codec_bench(model_name: str = "smollm2-135m", context_tokens: int = 4096
     for lv in levels:
         src = kv.to(__import__("torch").bfloat16) if lv == LOSSLESS else kv
         data = codec.encode(src, lv)
-        te = _best(lambda: codec.encode(src, lv), 5)
-        td = _best(lambda: codec.decode(data), 5)
+        te = best_time(lambda: codec.encode(src, lv), 5)
+        td = best_time(lambda: codec.decode(data), 5)
         ent, ent_e = _entropy_speed(prof, kv, lv, threads) if lv != LOSSLESS else (float("nan"), float("nan"))
         rows.append({
             "codec": "cachegen" + ("-lossless-bf16" if lv == LOSSLESS else ""),

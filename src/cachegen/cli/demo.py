@@ -35,6 +35,7 @@ def _mib(n: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from cachegen import corpus
     from cachegen.engine.engine import Engine
+    from cachegen.engine.hf_cache import values_per_token
     from cachegen.stream import ThrottledLink, constant
     from cachegen.stream.costs import TEXT
 
@@ -76,16 +77,9 @@ def run(args: argparse.Namespace) -> int:
         say(f"    time to first token: {b.ttft_s:.2f}s ({a.ttft_s / max(b.ttft_s, 1e-9):.1f}x faster than recompute)")
 
         plan = eng.store.plan(case.context_ids)
-        values = n_ctx * _values_per_token(eng.lm.config)
+        values = n_ctx * values_per_token(eng.lm.config)
         say(f"\nKV size for {n_ctx} tokens ({values / 1e6:.1f} M values): bf16 {_mib(values * 2)}")
         for lv in eng.store.levels:
             total = sum(i.sizes.get(lv, 0) for i in plan)
             say(f"    level {lv}: {_mib(total)}  ({total * 8 / values:.2f} bits/value)")
     return 0
-
-
-def _values_per_token(cfg) -> int:
-    """K and V values per token over all layers."""
-    c = cfg.get_text_config(decoder=True)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim

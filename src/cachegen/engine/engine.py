@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from cachegen import codec as codec_mod
+from cachegen.engine.hf_cache import values_per_token
 from cachegen.engine.models import DEFAULT_MODEL, LoadedModel, load_model
 from cachegen.engine.prefill import continue_from, eos_token_ids, prefill
 from cachegen.errors import ConfigError, StoreError
@@ -145,9 +146,7 @@ class Engine:
 
     def stitch_reserve_s(self, n_tokens: int) -> float:
         """Time to keep back from the deadline for joining the chunks, which the planner does not model."""
-        c = self.model.config.get_text_config(decoder=True)
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        nbytes = n_tokens * 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * self.model.dtype.itemsize
+        nbytes = n_tokens * values_per_token(self.model.config) * self.model.dtype.itemsize
         return nbytes / self.STITCH_BYTES_PER_S
 
     def load(self, context_ids: Sequence[int], slo_s: float | None = None, link=None, policy=ADAPTIVE) -> LoadResult:

@@ -32,6 +32,13 @@ def layer_kinds(config) -> list[tuple[LayerKind, int | None]]:
     return out
 
 
+def values_per_token(config) -> int:
+    """K and V values per token over all layers (sliding layers keep every token in a KVCache)."""
+    c = config.get_text_config(decoder=True)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim
+
+
 def recording_cache(config) -> DynamicCache:
     """An empty cache whose sliding layers keep every token (for extraction)."""
     cache = DynamicCache(config=config)

@@ -82,7 +82,8 @@ def default_path(key: str) -> Path:
     return paths.subdir("stream") / f"costs-{safe}.json"
 
 
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` runs of ``fn``, in seconds (the least disturbed by other work)."""
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -99,7 +100,7 @@ def calibrate_decode(codec, sample: KVCache, levels: Sequence[int], repeats: int
     for level in levels:
         blob = codec.encode(sample, level)
         codec.decode(blob)  # warm-up (JIT, caches)
-        t = _best_time(lambda: codec.decode(blob), repeats)
+        t = best_time(lambda: codec.decode(blob), repeats)
         cm.decode_s_per_mvalue[int(level)] = max(t - cm.decode_fixed_s, 0.0) / mv * 1.15  # 15% headroom
     cm.source = "calibrated"
     return cm
@@ -113,10 +114,10 @@ def calibrate_recompute(recompute: Callable, tokens: Sequence[int], chunk_tokens
     cm = base or CostModel()
     first = list(tokens[:chunk_tokens])
     recompute(None, first)  # warm-up
-    t0 = _best_time(lambda: recompute(None, first), 2)
+    t0 = best_time(lambda: recompute(None, first), 2)
     prefix = recompute(None, list(tokens[:prefix_tokens]))
     later = list(tokens[prefix_tokens : prefix_tokens + chunk_tokens])
-    t1 = _best_time(lambda: recompute(prefix, later), 2)
+    t1 = best_time(lambda: recompute(prefix, later), 2)
     n = chunk_tokens
     ctx = max((t1 - t0) / (n * prefix_tokens), 0.0)
     per_tok = max((t0 - cm.recompute_fixed_s) / n - ctx * n / 2, 1e-6)
@@ -130,6 +131,6 @@ def calibrate_fetch_latency(get: Callable[[], bytes], repeats: int = 5, base: Co
     """Per-request overhead of the store, from fetching one small payload a few times."""
     cm = base or CostModel()
     get()
-    times = sorted(_best_time(get, 1) for _ in range(repeats))
+    times = sorted(best_time(get, 1) for _ in range(repeats))
     cm.fetch_latency_s = times[len(times) // 2]
     return cm
