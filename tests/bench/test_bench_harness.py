@@ -195,3 +195,23 @@ def test_bench_all_quick_on_a_tiny_model(tmp_path, tiny_lm, monkeypatch):
     tt = json.loads((out / "ttft.json").read_text())
     assert {r["method"] for r in tt["rows"]} == {"recompute", "fp16", "kivi2", "cachegen-released"}
     assert sorted({r["bandwidth_gbps"] for r in tt["rows"]}) == [0.1, 1.0, 10.0]
+
+
+def test_top_level_cli_bench_codec_on_a_tiny_model(tmp_path, tiny_lm, capsys, monkeypatch):
+    """``cachegen bench codec`` through the top-level CLI: exit status 0, the required row fields."""
+    from cachegen.cli.main import main
+
+    monkeypatch.setenv("CACHEGEN_HOME", str(tmp_path / "home"))
+    d = tmp_path / "tiny"
+    tiny_lm.model.save_pretrained(d)
+    tiny_lm.tokenizer.save_pretrained(d)
+    out = tmp_path / "codec.json"
+    rc = main(["bench", "codec", "--model", str(d), "--context-tokens", "96", "--levels", "0,3", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    assert [r["level"] for r in rows] == [0, 3]
+    for f in ("codec", "level", "encode_mvalues_s", "decode_mvalues_s", "entropy_decode_msymbols_s", "bits_per_value"):
+        assert f in rows[1]
+    assert rows[1]["entropy_decode_msymbols_s"] > 0 and 0 < rows[1]["bits_per_value"] < rows[0]["bits_per_value"]
+    assert "rANS dec" in capsys.readouterr().out

@@ -114,3 +114,28 @@ def test_interleaved_hostile_words(pos, junk, dlen):
         rans.decode_interleaved(words, 40, np.zeros(20, dtype=np.int64), t)
     except CorruptChunk:
         pass
+
+
+@pytest.mark.parametrize("S", [1, 7, 15, 16, 17, 33, 192])
+def test_interleaved_unrolled_lanes_every_width(S):
+    """The unrolled decoder handles whole groups of 16 lanes and every remainder width."""
+    rng = np.random.default_rng(S)
+    tables = rans.Tables.build([rans.Categorical.from_counts(rng.integers(1, 50, 40), 12) for _ in range(3)])
+    assert tables.packed is not None  # the unrolled fast path
+    sym = rng.integers(0, 40, size=(37, S)).astype(np.uint8)
+    idx = rng.integers(0, 3, S)
+    words = rans.encode_interleaved(sym, idx, tables)
+    assert np.array_equal(rans.decode_interleaved(words, 37, idx, tables), sym)
+    with pytest.raises(CorruptChunk):
+        rans.decode_interleaved(words[:-1], 37, idx, tables)
+
+
+def test_generated_lanes_module_is_current():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("gen_rans_lanes", root / "tools" / "gen_rans_lanes.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (root / "src" / "cachegen" / "codec" / "_rans_lanes.py").read_text() == gen.source()

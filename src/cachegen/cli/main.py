@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        rc = args.func(args)  # commands return an exit status, or their rows (success)
+        return rc if isinstance(rc, int) else 0
     except CachegenError as e:
         print(f"cachegen: error: {e}", file=sys.stderr)
         return 2

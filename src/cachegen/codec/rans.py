@@ -46,6 +46,7 @@ import numba
 import numpy as np
 from numba import njit
 
+from cachegen.codec._rans_lanes import decode_lanes
 from cachegen.errors import CodecError, CorruptChunk
 
 RANS_L = 1 << 16
@@ -373,44 +374,8 @@ def _encode_il_kernel(sym, tab_idx, fc, inv, prec, out):
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def _decode_il_kernel(words, nwords, tab_idx, packed, prec, out):
-    """Decode ``out`` (n, S) from one interleaved word stream; returns 0 iff it ended cleanly.
-
-    ``words`` holds the ``nwords`` stream words followed by at least ``S + 1`` pad words, so a row
-    (which reads at most ``S`` words) never needs a bounds check once its start is checked."""
-    n = out.shape[0]
-    S = out.shape[1]
-    nl = min(16, S)
-    mask = (np.int64(1) << prec) - 1
-    states = np.empty(16, dtype=np.int64)
-    for j in range(nl):
-        states[j] = (np.int64(words[2 * j]) << 16) | np.int64(words[2 * j + 1])
-    tb = tab_idx * (mask + 1)
-    pk = packed.ravel()
-    p = 2 * nl
-    for t in range(n):
-        if p > nwords:
-            return 1
-        row = out[t]
-        for c in range(S):
-            j = c & 15
-            x = states[j]
-            e = np.int64(pk[tb[c] + (x & mask)])
-            x = (((e >> 12) & 0xFFF) + 1) * (x >> prec) + (e & 0xFFF)
-            flag = np.int64(x < 65536)
-            w = np.int64(words[p])
-            states[j] = (x << (flag << 4)) | (w & (-flag))
-            p += flag
-            row[c] = np.uint8(e >> 24)
-    bad = np.int64(p != nwords)
-    for j in range(nl):
-        bad += states[j] != 65536
-    return bad
-
-
-@njit(nogil=True, cache=True, boundscheck=False)
 def _decode_il_kernel_generic(words, tab_idx, freq, cum, lut, prec, out):
-    """:func:`_decode_il_kernel` for any precision / alphabet (separate freq, cum and slot tables)."""
+    """:func:`~cachegen.codec._rans_lanes.decode_lanes` for any precision / alphabet (separate freq, cum and slot tables)."""
     n = out.shape[0]
     S = out.shape[1]
     nl = min(16, S)
@@ -488,7 +453,9 @@ def decode_interleaved(words: np.ndarray, n: int, table_index: np.ndarray, table
     if tables.packed is not None:
         padded = np.zeros(words.size + S + 1, dtype=np.uint16)
         padded[: words.size] = words
-        bad = _decode_il_kernel(padded, words.size, table_index, tables.packed, tables.precision, out)
+        if not out.flags.c_contiguous:
+            raise CodecError("output buffer must be C-contiguous")
+        bad = decode_lanes(padded, words.size, table_index, tables.packed, tables.precision, out)
     else:
         words = np.ascontiguousarray(words, dtype=np.uint16)
         bad = _decode_il_kernel_generic(words, table_index, tables.freq, tables.cum, tables.lut, tables.precision, out)
