@@ -40,7 +40,7 @@ def _entropy_speed(prof, kv, level: int, threads: int) -> tuple[float, float]:
     xs = [t for l in kv.layers for t in (l.k, l.v)]
     jobs = []
     for i, x in enumerate(xs):
-        y = forward_section(prof.sections[i], x[:, prof.n_sink :])
+        y = forward_section(prof.sections[i], x[:, prof.n_sink :], prof.n_sink)
         sym = np.empty(y.shape, dtype=np.uint8)
         esc = np.empty(y.size + 1, dtype=np.int32)
         quant.quantize(y, (1.0 / lp.steps[i]).astype(np.float32), cls[i], tables.freq, sym, esc)

@@ -26,7 +26,7 @@ from cachegen.kv import KVCache
 from cachegen.store import ContextStore, Namespace, open_backend
 from cachegen.stream import TEXT, CostModel, StreamingLoader, ThrottledLink, ThroughputEstimator, make_trace
 from cachegen.stream.costs import calibrate_decode, calibrate_recompute, default_path
-from cachegen.stream.planner import PlanChunk, simulate
+from cachegen.stream.planner import RISK_QUANTILE, PlanChunk, simulate
 
 FIELDS = ("method", "trace", "ttft_s_p50", "ttft_s_p95", "deadline_miss_rate", "mean_kl")
 CHUNK_TOKENS = 256
@@ -102,9 +102,12 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                      context_tokens: int = 4096, json_path: str | None = None, link: str = "inproc", gbps: float = 0.1,
                      methods: Sequence[str] | None = None, dtype: str = "bfloat16", seed: int = 0,
                      log: Callable[[str], None] = print, sim_runs: int = 0, quick: bool = False,
-                     store_dir: str | None = None) -> list[dict]:
+                     store_dir: str | None = None, prefetch: int = 8,
+                     risk_quantile: float | None = RISK_QUANTILE) -> list[dict]:
     """Run the bench; returns the rows (and writes ``json_path``).
 
+    ``prefetch`` and ``risk_quantile``: the loader's (and the replay's) settings, for measuring
+    their effect (see :class:`cachegen.stream.loader.StreamingLoader`).
     ``runs``: wall-clock loads per method (through ``link``: ``inproc`` or ``netns``).
     ``sim_runs``: additional virtual-time loads per cachegen method (:mod:`cachegen.stream.sim`,
     rows with ``timing="virtual"``). ``quick``: a small configuration for ``cachegen bench all``
@@ -272,7 +275,7 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                 lk = ThrottledLink(tr) if netns is None else _netns_link(netns, tr)
                 loader = StreamingLoader(store, cdc, recompute, costs=costs, slo_s=slo, link=lk, policy=policy,
                                          estimator=est, levels=lv, reserve_s=reserve, values_per_token=vpt,
-                                         dtype=m.dtype)
+                                         dtype=m.dtype, prefetch=prefetch, risk_quantile=risk_quantile)
                 t0 = time.perf_counter()
                 res = loader.load(ctx + tail, t0=t0)
                 out = continue_from(m, res.kv, tail)
@@ -295,7 +298,7 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                 for r in range(sim_runs):
                     tr = make_trace(trace, n_chunks, seed=seed + r, gbps=gbps)
                     sr = simulate_load(chunks, tr, costs, slo, policy=policy, estimator=est, reserve_s=reserve,
-                                       allowed=lv, seed=seed + r)
+                                       allowed=lv, seed=seed + r, prefetch=prefetch, risk_quantile=risk_quantile)
                     ttft = plan_s + sr.load_s + tail_s
                     ttfts.append(ttft)
                     misses += ttft > slo
@@ -318,6 +321,7 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
         Path(json_path).write_text(json.dumps(
             {"rows": rows, "ratios": summary, "slo_s": slo, "slo_arg": slo_arg, "tail_prefill_s": tail_s,
              "reserve_s": reserve, "plan_s": plan_s, "costs": costs.to_json(), "dtype": dtype, "quick": quick,
+             "prefetch": prefetch, "risk_quantile": risk_quantile,
              "sizes_mb": {f"L{l}": sum(c.sizes[l] for c in chunks) / 1e6 for l in levels}}, indent=1))
     return rows
 
@@ -396,9 +400,14 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--link", choices=("inproc", "netns"), default="inproc")
     p.add_argument("--dtype", default="bfloat16", help="serving dtype of the model (default bfloat16)")
     p.add_argument("--json", default=None)
+    p.add_argument("--prefetch", type=int, default=8, help="fetched chunks that may wait for decoding (default 8)")
+    p.add_argument("--risk-quantile", type=float, default=RISK_QUANTILE,
+                   help=f"the adaptive plan must finish in time in this fraction of sampled futures "
+                        f"(default {RISK_QUANTILE}; 0 = plan at the estimated rate alone)")
     p.set_defaults(func=lambda a: (run_stream_bench(
         a.model, a.trace, a.slo, a.runs, a.context_tokens, a.json, a.link, a.gbps,
-        a.methods.split(",") if a.methods else None, a.dtype, sim_runs=a.sim_runs, quick=a.quick) and 0))
+        a.methods.split(",") if a.methods else None, a.dtype, sim_runs=a.sim_runs, quick=a.quick,
+        prefetch=a.prefetch, risk_quantile=a.risk_quantile or None) and 0))
     return p
 
 

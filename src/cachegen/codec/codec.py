@@ -111,7 +111,7 @@ class Codec:
             sink = max(0, min(kv.num_tokens, prof.n_sink - kv.start))
             lp = prof.levels[level]
             tables, cls = lp.tables(), lp.classes(prof.sections)
-            jobs = [(x, prof.sections[i], lp.steps[i], cls[i], tables, sink) for i, x in enumerate(xs)]
+            jobs = [(x, prof.sections[i], lp.steps[i], cls[i], tables, sink, kv.start) for i, x in enumerate(xs)]
             bodies = list(self._map(_encode_lossy, jobs))
         secs = ([inline] if inline is not None else []) + bodies
         h = ChunkHeader(
@@ -196,10 +196,10 @@ def quant_levels() -> tuple[int, ...]:
 
 
 def _encode_lossy(job) -> bytes:
-    x, sp, step, cls, tables, sink = job
+    x, sp, step, cls, tables, sink, start = job
     h, t, d = x.shape
     sink_raw = _bytes_view(x[:, :sink]).tobytes() if sink else b""
-    y = forward_section(sp, x[:, sink:])
+    y = forward_section(sp, x[:, sink:], start + sink)
     sym = np.empty(y.shape, dtype=np.uint8)
     esc = np.empty(y.size + 1, dtype=np.int32)
     n_esc = quant.quantize(y, (np.float32(1.0) / step).astype(np.float32), cls, tables.freq, sym, esc)
@@ -291,7 +291,7 @@ def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, pr
     used = quant.dequantize(sym, lp.steps[i], esc, n_esc, y)
     if used != n_esc:
         raise CorruptChunk(f"section {i}: {used} escapes in the stream, {n_esc} stored")
-    x = inverse_section(sp, y, heads, d, h.dtype)
+    x = inverse_section(sp, y, heads, d, h.dtype, h.start + sink)
     if sink:
         xs = _from_bytes(sink_raw, (heads, sink, d), h.dtype)
         x = torch.cat([xs, x], dim=1)

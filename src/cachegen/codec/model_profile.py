@@ -16,10 +16,11 @@ import torch
 
 from cachegen import paths
 from cachegen.codec.profile import KL_TARGETS, LEVELS, Profile, calibrate
+from cachegen.codec.rope import RopeSpec
 from cachegen.codec.sensitivity import fisher_matrices
 from cachegen.engine.hf_cache import from_transformers, recording_cache
 
-CALIBRATION_VERSION = 2  # 2: pydoc-calib text, per-component Fisher over several contexts
+CALIBRATION_VERSION = 3  # 2: pydoc-calib text, per-component Fisher over several contexts; 3: pre-RoPE keys
 # Measured correction of the Fisher KL prediction (see docs/codec.md); scales every level's target.
 KL_SCALE = 1.0
 
@@ -48,6 +49,57 @@ def _kv_of(model, ids: torch.Tensor):
         return from_transformers(out.cache, model.config)
 
 
+def rope_specs(model) -> list[RopeSpec | None]:
+    """Per layer, the rotary embedding the model applies to its cached keys (None: not found).
+
+    Read from the model's rotary module (``inv_freq`` / ``<layer_type>_inv_freq`` and the
+    attention scaling) and checked against the module's own cos/sin at a few positions;
+    any mismatch (an unknown RoPE variant) gives None for that layer, which only costs
+    compression."""
+    import inspect
+
+    import numpy as np
+
+    cfg = model.config
+    n_layers = int(cfg.num_hidden_layers)
+    rot = getattr(getattr(model, "model", model), "rotary_emb", None)
+    if rot is None:
+        return [None] * n_layers
+    takes_type = "layer_type" in inspect.signature(rot.forward).parameters
+    types = list(getattr(cfg, "layer_types", None) or [None] * n_layers)
+    found: dict = {}
+
+    def spec_for(lt) -> RopeSpec | None:
+        pre = f"{lt}_" if (takes_type and lt) else ""
+        inv = getattr(rot, f"{pre}inv_freq", None)
+        scale = getattr(rot, f"{pre}attention_scaling", getattr(rot, "attention_scaling", 1.0))
+        if inv is None or scale is None:
+            return None
+        spec = RopeSpec(inv.detach().to(torch.float32).numpy().copy(), float(scale))
+        pos = torch.tensor([[0, 1, 777, 4095]])
+        x = torch.zeros(1, 4, spec.rotary_dim, dtype=torch.float32)
+        try:
+            with torch.no_grad():
+                cos, sin = rot(x, pos, lt) if takes_type and lt else rot(x, pos)
+        except Exception:  # noqa: BLE001 - an unfamiliar module: code keys as they are
+            return None
+        want = [spec.cos_sin(p, 1) for p in (0, 1, 777, 4095)]
+        if cos.shape[-1] != spec.rotary_dim:
+            return None
+        wc = torch.cat([c for c, _ in want]); ws = torch.cat([s for _, s in want])
+        if not (np.allclose(cos[0].numpy(), wc.numpy(), atol=1e-4) and np.allclose(sin[0].numpy(), ws.numpy(), atol=1e-4)):
+            return None
+        return spec
+
+    out = []
+    for li in range(n_layers):
+        lt = types[li] if li < len(types) else None
+        if lt not in found:
+            found[lt] = spec_for(lt)
+        out.append(found[lt])
+    return out
+
+
 def calibrate_for_model(
     loaded_model,
     texts: Sequence[str] | None = None,
@@ -60,6 +112,7 @@ def calibrate_for_model(
     fisher_samples: int = 2,
     use_pca: bool = True,
     kl_scale: float = KL_SCALE,
+    pre_rope: bool = True,
 ) -> Profile:
     """Profile for ``loaded_model`` (an engine ``LoadedModel``) from calibration ``texts``."""
     model, tok = loaded_model.model, loaded_model.tokenizer
@@ -79,9 +132,11 @@ def calibrate_for_model(
     f0 = need if ids.numel() >= need + n_fisher * span else 0
     n_f = max(1, min(n_fisher, (ids.numel() - f0) // span))
     pairs = [(ids[f0 + j * span : f0 + j * span + fisher_context], ids[f0 + j * span + fisher_context : f0 + (j + 1) * span]) for j in range(n_f)]
-    sens = fisher_matrices(model, pairs, samples=fisher_samples)
+    rope = rope_specs(model) if pre_rope else None
+    sens = fisher_matrices(model, pairs, samples=fisher_samples, rope=rope)
     meta = {"calibration": "pydoc-calib" if not texts else "custom", "sample_tokens": sample_tokens, "n_samples": n_samples, "n_fisher": n_f}
-    return calibrate(samples, loaded_model.fingerprint, use_pca=use_pca, sensitivity=sens, kl_scale=kl_scale, meta=meta)
+    return calibrate(samples, loaded_model.fingerprint, use_pca=use_pca, sensitivity=sens, kl_scale=kl_scale, meta=meta,
+                     rope=rope)
 
 
 def load_or_calibrate(loaded_model, refresh: bool = False) -> Profile:

@@ -29,11 +29,12 @@ import torch
 
 from cachegen.codec import quant
 from cachegen.codec.rans import Categorical, Tables
+from cachegen.codec.rope import RopeSpec, unrope
 from cachegen.errors import CodecError, ConfigError, CorruptChunk, FormatVersionError
 from cachegen.kv import KVCache
 
 PROFILE_MAGIC = b"CGPF"
-PROFILE_VERSION = 2  # 2: optional per-section inverse (Fisher-weighted basis)
+PROFILE_VERSION = 3  # 2: optional per-section inverse (Fisher-weighted basis); 3: optional RoPE undo per key section
 PRECISION = 12
 DEFAULT_SINK = 4
 LEVELS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
@@ -50,7 +51,7 @@ _DTYPES = {"f4": np.float32, "u1": np.uint8, "u2": np.uint16, "i8": np.int64}
 
 @dataclass
 class SectionParams:
-    """Transform of one (layer, K/V) section: ``y = (x - mean) @ basis`` per head.
+    """Transform of one (layer, K/V) section: ``y = (unrope(x) - mean) @ basis`` per head.
 
     ``inv`` is the inverse (``x = y @ inv + mean``) when the basis is not orthonormal
     (Fisher-weighted KLT); ``None`` means ``basis.T``."""
@@ -61,6 +62,7 @@ class SectionParams:
     std: np.ndarray  # (heads*dim,) float32, std of each basis component
     basis: np.ndarray | None = None  # (heads, dim, dim) float32, or None (identity)
     inv: np.ndarray | None = None  # (heads, dim, dim) float32 inverse of basis, or None (basis orthonormal)
+    rope: RopeSpec | None = None  # keys: undo this rotary embedding first (positions from the chunk)
 
 
 @dataclass
@@ -113,6 +115,8 @@ class Profile:
                 arrays.append((f"basis/{i}", s.basis.astype("<f4")))
                 if s.inv is not None:
                     arrays.append((f"inv/{i}", s.inv.astype("<f4")))
+            if s.rope is not None:
+                arrays.append((f"rope/{i}", s.rope.to_array().astype("<f4")))
         for lv in sorted(self.levels):
             p = self.levels[lv]
             arrays.append((f"freqs/{lv}", p.freqs.astype("<u2")))
@@ -177,7 +181,13 @@ class Profile:
                     raise CorruptChunk(f"profile section {i} has wrong shapes")
                 if not (np.isfinite(mean).all() and np.isfinite(std).all() and all(b is None or np.isfinite(b).all() for b in (basis, inv))):
                     raise CorruptChunk(f"profile section {i} holds non-finite values")
-                sections.append(SectionParams(h, d, mean, std, basis, inv))
+                rope_a = arrays.get(f"rope/{i}")
+                spec = None
+                if rope_a is not None:
+                    if rope_a.ndim != 1 or not 2 <= rope_a.shape[0] <= d // 2 + 1 or not np.isfinite(rope_a).all() or not 1e-3 <= rope_a[-1] <= 1e3:
+                        raise CorruptChunk(f"profile section {i} has an invalid rotary spec")
+                    spec = RopeSpec.from_array(rope_a)
+                sections.append(SectionParams(h, d, mean, std, basis, inv, spec))
             levels = {}
             for lv in hdr["levels"]:
                 lv = int(lv)
@@ -220,15 +230,21 @@ class Profile:
 # -- calibration ---------------------------------------------------------------------
 
 
-def _section_values(samples: Sequence[KVCache], i: int, n_sink: int) -> torch.Tensor:
-    """All non-sink tokens of section ``i`` over the samples, (heads, N, dim) float64."""
+def _nonsink(kv: KVCache, i: int, n_sink: int) -> tuple[torch.Tensor, int]:
+    """Section ``i`` of ``kv`` without the sink tokens, and the position of its first token."""
+    l = kv.layers[i // 2]
+    x = l.k if i % 2 == 0 else l.v
+    skip = min(max(0, n_sink - kv.start), x.shape[1])
+    return x[:, skip:], kv.start + skip
+
+
+def _section_values(samples: Sequence[KVCache], i: int, n_sink: int, spec: RopeSpec | None = None) -> torch.Tensor:
+    """All non-sink tokens of section ``i`` over the samples (RoPE undone with ``spec``), (heads, N, dim) float64."""
     parts = []
     for kv in samples:
-        l = kv.layers[i // 2]
-        x = l.k if i % 2 == 0 else l.v
-        skip = max(0, n_sink - kv.start)
-        if x.shape[1] > skip:
-            parts.append(x[:, skip:].to(torch.float64))
+        x, start = _nonsink(kv, i, n_sink)
+        if x.shape[1]:
+            parts.append(unrope(x, spec, start).to(torch.float64))
     if not parts:
         return torch.zeros((x.shape[0], 0, x.shape[2]), dtype=torch.float64)
     return torch.cat(parts, dim=1)
@@ -371,12 +387,15 @@ def calibrate(
     meta: dict | None = None,
     weighted_basis: bool = False,
     fisher_ridge: float = 0.05,
+    rope: Sequence[RopeSpec | None] | None = None,
 ) -> Profile:
     """Build a :class:`Profile` from KV samples alone (no model needed).
 
     ``sensitivity`` (per section ``2*layer + kv``: a float, a per-channel array or per-head
     Fisher matrices (H, D, D)) comes from :mod:`cachegen.codec.sensitivity` when a model is at hand;
-    without it steps are proportional to each section's RMS.
+    without it steps are proportional to each section's RMS. ``rope`` (per layer, from
+    :func:`cachegen.codec.model_profile.rope_specs`): key sections are modelled and coded
+    before RoPE (the Fisher matrices must then be for pre-RoPE keys too).
     """
     from cachegen.codec.transform import forward_section
 
@@ -387,12 +406,17 @@ def calibrate(
     for kv in samples[1:]:
         if [(int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in kv.layers] != dims:
             raise ConfigError("calibration samples have different layouts")
+    if rope is not None and len(rope) != len(dims):
+        raise ConfigError(f"need one rotary spec (or None) per layer ({len(dims)}), got {len(rope)}")
     sections = []
     for i in range(2 * len(dims)):
-        x = _section_values(samples, i, n_sink)
+        spec = rope[i // 2] if rope is not None and i % 2 == 0 else None
+        if spec is not None and spec.rotary_dim > dims[i // 2][1]:
+            raise ConfigError(f"rotary spec of layer {i // 2} is wider than its keys")
+        x = _section_values(samples, i, n_sink, spec)
         h, d = x.shape[0], x.shape[2]
         if x.shape[1] < 2:  # nothing to learn from: identity transform, unit scale
-            sections.append(SectionParams(h, d, np.zeros(h * d, np.float32), np.ones(h * d, np.float32), None))
+            sections.append(SectionParams(h, d, np.zeros(h * d, np.float32), np.ones(h * d, np.float32), None, None, spec))
             continue
         inv = None
         sens_i = None if sensitivity is None else np.asarray(sensitivity[i], dtype=np.float64)
@@ -404,9 +428,9 @@ def calibrate(
             mean = x.mean(dim=1).reshape(-1).numpy().astype(np.float32)
             std = x.std(dim=1).reshape(-1).numpy().astype(np.float32)
             basis = None
-        sections.append(SectionParams(h, d, mean, np.maximum(std, 1e-20).astype(np.float32), basis, inv))
+        sections.append(SectionParams(h, d, mean, np.maximum(std, 1e-20).astype(np.float32), basis, inv, spec))
     level_params = {}
-    ys = [[forward_section(sections[i], _section_values([kv], i, n_sink).to(torch.float32)) for kv in samples] for i in range(len(sections))]
+    ys = [[forward_section(sections[i], *_nonsink(kv, i, n_sink)) for kv in samples] for i in range(len(sections))]
     for lv in levels:
         if lv not in KL_TARGETS:
             raise ConfigError(f"unknown level {lv}")
@@ -427,6 +451,7 @@ def calibrate(
     if sensitivity is not None:
         m.setdefault("kl_targets", {str(lv): KL_TARGETS[lv] * kl_scale for lv in levels})
     m.setdefault("weighted_basis", any(sp.inv is not None for sp in sections))
+    m.setdefault("pre_rope_keys", any(sp.rope is not None for sp in sections))
     if m["weighted_basis"]:
         m.setdefault("fisher_ridge", fisher_ridge)
     return Profile(model_fingerprint, dims, sections, level_params, n_sink, m)

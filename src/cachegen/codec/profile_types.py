@@ -10,3 +10,4 @@ import numpy as np
 class SectionLike(Protocol):
     mean: np.ndarray
     basis: np.ndarray | None
+    rope: object | None  # a cachegen.codec.rope.RopeSpec (keys), or None

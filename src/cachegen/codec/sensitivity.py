@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from cachegen.engine.hf_cache import from_transformers, recording_cache, to_transformers
+from cachegen.codec.rope import RopeSpec, unrope_grad
 from cachegen.kv import KVCache, KVLayer
 
 
@@ -32,8 +33,11 @@ def _context_kv(model, context_ids: torch.Tensor) -> KVCache:
         return from_transformers(out.cache, model.config)
 
 
-def fisher_matrices(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], n_sink: int = 4, samples: int = 2, seed: int = 0) -> list[np.ndarray]:
-    """Per section ``2*layer + kv``: Fisher matrices (heads, D, D) float64, averaged over ``pairs`` of (context, continuation) ids."""
+def fisher_matrices(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], n_sink: int = 4, samples: int = 2, seed: int = 0,
+                    rope: Sequence[RopeSpec | None] | None = None) -> list[np.ndarray]:
+    """Per section ``2*layer + kv``: Fisher matrices (heads, D, D) float64, averaged over ``pairs`` of (context, continuation) ids.
+
+    With ``rope`` (per layer) the key Fisher is for pre-RoPE keys (each token's gradient rotated back)."""
     cfg = model.config
     acc: list[np.ndarray] | None = None
     g = torch.Generator().manual_seed(seed)
@@ -53,7 +57,10 @@ def fisher_matrices(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], n
             with torch.no_grad():
                 for li, (k, v) in enumerate(leaves):
                     for j, t in enumerate((k, v)):
-                        gr = t.grad[:, n_sink:].double()
+                        gr = t.grad[:, n_sink:]
+                        if j == 0 and rope is not None:
+                            gr = unrope_grad(gr, rope[li], n_sink)
+                        gr = gr.double()
                         acc[2 * li + j] += (torch.einsum("htd,hte->hde", gr, gr) * w).numpy()
     assert acc is not None
     return acc

@@ -4,6 +4,8 @@ Why per head: a PCA basis concentrates each head's energy in few components,
 so entropy coding spends almost nothing on the rest (-0.2 bits/value measured),
 and a per-head (D x D) basis costs D/(H*D) of a full-channel one to apply.
 Output is token-major ``(tokens, heads*dim)``, the layout the rANS kernels use.
+Key sections of RoPE models first have their rotary embedding undone
+(:mod:`cachegen.codec.rope`), which needs the tokens' absolute positions.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import numpy as np
 import torch
 
 from cachegen.codec.profile_types import SectionLike
+from cachegen.codec.rope import rope, unrope
 
 
-def forward_section(sp: SectionLike, x: torch.Tensor) -> np.ndarray:
-    """x (H, T, D) -> y (T, H*D) float32, ``y = (x - mean) @ basis`` per head."""
+def forward_section(sp: SectionLike, x: torch.Tensor, start: int = 0) -> np.ndarray:
+    """x (H, T, D) at positions ``start..`` -> y (T, H*D) float32, ``y = (unrope(x) - mean) @ basis`` per head."""
     h, t, d = x.shape
-    x = x.to(torch.float32)
+    x = unrope(x, getattr(sp, "rope", None), start)
     mean = torch.from_numpy(sp.mean).view(h, 1, d)
     xc = x - mean
     if sp.basis is not None:
@@ -27,8 +30,9 @@ def forward_section(sp: SectionLike, x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(y.reshape(t, h * d).numpy())
 
 
-def inverse_section(sp: SectionLike, y: np.ndarray, heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """y (T, H*D) -> x (H, T, D) in ``dtype`` (``x = y @ inv + mean``, ``inv = basis.T`` unless given)."""
+def inverse_section(sp: SectionLike, y: np.ndarray, heads: int, dim: int, dtype: torch.dtype,
+                    start: int = 0) -> torch.Tensor:
+    """y (T, H*D) -> x (H, T, D) in ``dtype`` (``x = rope(y @ inv + mean)``, ``inv = basis.T`` unless given)."""
     t = y.shape[0]
     yt = torch.from_numpy(y).view(t, heads, dim)
     inv = getattr(sp, "inv", None)
@@ -39,4 +43,7 @@ def inverse_section(sp: SectionLike, y: np.ndarray, heads: int, dim: int, dtype:
     else:
         x = yt.permute(1, 0, 2)
     x = x + torch.from_numpy(sp.mean).view(heads, 1, dim)
+    spec = getattr(sp, "rope", None)
+    if spec is not None:
+        x = rope(x, spec, start)
     return x.to(dtype).contiguous()

@@ -35,7 +35,7 @@ class ThroughputEstimator:
         self.prior_gbps = float(prior_gbps) if prior_gbps is not None else self.DEFAULT_PRIOR_GBPS
         self.min_bytes = min_bytes  # smaller transfers say little about bandwidth
         self._samples: deque[float] = deque(maxlen=window)
-        self._history: deque[float] = deque(maxlen=history)  # longer memory, for the low quantile
+        self._history: deque[float] = deque(maxlen=history)  # longer memory: the planner's futures
         self._lock = threading.Lock()
 
     def add(self, nbytes: int, seconds: float) -> float | None:
@@ -53,29 +53,10 @@ class ThroughputEstimator:
             self._samples.append(float(gbps))
             self._history.append(float(gbps))
 
-    def spread(self) -> float | None:
-        """Standard deviation of the seconds per bit over the history (None: fewer than 4 samples).
-
-        Transfer time is bytes times seconds-per-bit, so this is what the planner
-        needs to bound how much the remaining chunks' total time may vary."""
+    def s_per_bit_history(self) -> list[float]:
+        """Seconds per bit of the last ``history`` samples: possible futures for the planner."""
         with self._lock:
-            h = list(self._history)
-        if len(h) < 4:
-            return None
-        x = [1.0 / (g * 1e9) for g in h]
-        m = sum(x) / len(x)
-        return (sum((v - m) ** 2 for v in x) / (len(x) - 1)) ** 0.5
-
-    def low(self, q: float = 0.0) -> float:
-        """The ``q`` quantile (default: the minimum) of the last ``history`` samples (the prior
-        when there are none): how slow one chunk's fetch may plausibly be. Equals the rate on a
-        steady link. (On the uniform 0.1-10 Gbps trace the 10% quantile, ~1 Gbps, did not
-        lower misses at all in the virtual-time replay; the minimum halved them.)"""
-        with self._lock:
-            h = sorted(self._history)
-        if not h:
-            return self.prior_gbps
-        return h[min(int(q * len(h)), len(h) - 1)]
+            return [1.0 / (g * 1e9) for g in self._history]
 
     @property
     def known(self) -> bool:

@@ -26,7 +26,7 @@ from cachegen.kv import KVCache
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import DirectLink
-from cachegen.stream.planner import Choice, PlanChunk, decide
+from cachegen.stream.planner import RISK_QUANTILE, Choice, PlanChunk, decide
 
 Recompute = Callable[[Union[KVCache, None], list], KVCache]
 
@@ -108,17 +108,22 @@ class StreamingLoader:
     ``reserve_s``: time kept back from the SLO for what follows the load (suffix prefill).
     ``estimator``: pass the same one to every load over a link (the next load starts from
     what the last one measured); a fresh one without a prior makes the first chunk a probe
-    at the smallest level. ``spread`` (default) and ``guard``: the two ways of hedging against
-slow fetches, see :func:`~cachegen.stream.planner.choose_adaptive` and docs/streaming.md.
+    at the smallest level. ``prefetch``: fetched payloads that may wait for the compute stage;
+    a deep queue lets fast fetches run ahead so that a later slow one is hidden behind decoding
+    (8 chunks of 256 tokens at the best level are ~20 MB for SmolLM2). ``risk_quantile``: the
+    adaptive plan must finish by the deadline in this fraction of the futures drawn from the
+    estimator's history (see :func:`~cachegen.stream.planner.choose_adaptive`, docs/streaming.md).
     """
 
     def __init__(self, store, codec, recompute: Recompute, costs: CostModel | None = None, slo_s: float | None = 1.0,
                  link=None, policy: Union[str, int] = ADAPTIVE, estimator: ThroughputEstimator | None = None,
-                 levels: Sequence[int] | None = None, prefetch: int = 1, reserve_s: float = 0.0,
+                 levels: Sequence[int] | None = None, prefetch: int = 8, reserve_s: float = 0.0,
                  safety: float = 0.95, dtype: torch.dtype | None = None, values_per_token: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter, guard: bool = False, spread: bool = True):
+                 clock: Callable[[], float] = time.perf_counter, risk_quantile: float | None = RISK_QUANTILE):
         if prefetch < 1:
             raise ConfigError("prefetch must be >= 1")
+        if risk_quantile is not None and not 0.0 < risk_quantile < 1.0:
+            raise ConfigError("risk_quantile must be in (0, 1)")
         if not (policy in (ADAPTIVE, RULE, TEXT) or isinstance(policy, int)):
             raise ConfigError(f"unknown policy {policy!r}")
         self.store, self.codec, self.recompute = store, codec, recompute
@@ -131,8 +136,7 @@ slow fetches, see :func:`~cachegen.stream.planner.choose_adaptive` and docs/stre
         self.prefetch = prefetch
         self.reserve_s = reserve_s
         self.safety = safety
-        self.guard = guard  # adaptive: keep each chunk recoverable if its fetch runs at estimator.low()
-        self.spread = spread  # adaptive: keep 2 std devs of the remaining transfer time in hand
+        self.risk_quantile = risk_quantile
         self.dtype = dtype
         self.clock = clock
         self._values_per_token = values_per_token
@@ -160,8 +164,8 @@ slow fetches, see :func:`~cachegen.stream.planner.choose_adaptive` and docs/stre
         choice = decide(self.policy, chunks[i:], self.costs,
                         time_left_s=None if self.slo_s is None else deadline - self.clock(), cpu_busy_s=cpu_busy,
                         est_gbps=g, last_gbps=last, tail_gbps=e.harmonic_mean(), known=e.known,
-                        worst_gbps=e.low() if self.guard else None,
-                        spread_s_per_bit=e.spread() if self.spread else None, share_s=share,
+                        history_s_per_bit=e.s_per_bit_history() if self.risk_quantile else None,
+                        risk_quantile=self.risk_quantile or RISK_QUANTILE, share_s=share,
                         prev=prev, allowed=self.levels, safety=self.safety)
         return choice, (last if self.policy == RULE else g)
 

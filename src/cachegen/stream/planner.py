@@ -6,7 +6,10 @@ which needs every chunk before it). :func:`simulate` predicts when the compute
 stage finishes for a list of choices; the adaptive policy picks, for the next
 chunk, the highest-quality level such that the remaining chunks can still
 finish by the deadline at their cheapest option. Time left is measured against
-the absolute deadline, so time a chunk did not use is carried forward.
+the absolute deadline, so time a chunk did not use is carried forward. When the
+link's past rates are known, "can still finish" means: in most futures resampled
+from them (:func:`finish_quantile`), so the slack kept matches how much the link
+varies and how much of a slow fetch the compute stage cannot hide.
 
 Quality order: a lower level number is better (``0`` = lossless, ``1`` = best
 lossy, ... ``N`` = most aggressive). Text (recompute) is exact, so it is taken
@@ -18,9 +21,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
 
+import numpy as np
+
 from cachegen.stream.costs import TEXT, CostModel
 
 Choice = Union[int, str]  # a level, or TEXT
+
+# The adaptive plan must finish in time in this fraction of the sampled futures. Measured on the
+# uniform 0.1-10 Gbps random trace (docs/streaming.md): 0.75-0.85 keep misses <= 2% once re-planning
+# at every chunk is counted; higher values buy fewer misses with coarser levels.
+RISK_QUANTILE = 0.85
+FUTURES = 256  # futures per decision (~1 ms for 16 chunks and 7 levels)
+RECENT = 5  # the estimator's window: a slowdown beyond the older history in it is a new regime
+MIN_HISTORY = 4  # fewer past fetches than this say too little about the spread
 
 
 @dataclass(frozen=True)
@@ -108,10 +121,31 @@ def tail_at(chunks: Sequence[PlanChunk], level: Choice, gbps: float, costs: Cost
     return cpu
 
 
+def finish_quantile(chunks: Sequence[PlanChunk], plan: Sequence[Choice], head_s_per_bit: float,
+                    tail_s_per_bit: np.ndarray, costs: CostModel, state: PipelineState, q: float) -> float:
+    """The ``q`` quantile of when the last chunk's compute ends (seconds from now) under ``plan``.
+
+    Monte Carlo over the rows of ``tail_s_per_bit`` (M, len(chunks) - 1): seconds per bit of
+    each later chunk's fetch in one possible future (the head's is ``head_s_per_bit``). Fetches
+    run back to back; a chunk's compute starts when it has arrived and the one before is done,
+    so a slow fetch costs only what the compute stage cannot hide behind work it already has."""
+    m = tail_s_per_bit.shape[0]
+    net = np.full(m, state.net_busy_s)
+    cpu = np.full(m, state.cpu_busy_s)
+    for j, (ch, o) in enumerate(zip(chunks, plan)):
+        if o == TEXT:
+            cpu = cpu + costs.recompute_s(ch.start, ch.num_tokens)
+            continue
+        spb = head_s_per_bit if j == 0 else tail_s_per_bit[:, j - 1]
+        net = net + (costs.fetch_latency_s + 8 * ch.sizes[o] * spb)
+        cpu = np.maximum(cpu, net) + costs.decode_s(o, ch.num_values)
+    return float(np.quantile(cpu, q))
+
+
 def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostModel, state: PipelineState,
                     allowed: Sequence[int] | None = None, tail_gbps: float | None = None,
-                    safety: float = 1.0, worst_gbps: float | None = None,
-                    spread_s_per_bit: float | None = None, z: float = 2.0) -> Prediction:
+                    safety: float = 1.0, futures: np.ndarray | None = None,
+                    risk_quantile: float = RISK_QUANTILE) -> Prediction:
     """Choice for ``remaining[0]``, the next chunk to fetch.
 
     The best level that every remaining chunk could take and still end by the
@@ -122,15 +156,12 @@ def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostMode
     ``gbps`` predicts this chunk's fetch, ``tail_gbps`` (default ``gbps``) the
     later ones'. The plan must end within ``safety * time_left_s``.
 
-    ``worst_gbps`` (a low quantile of past samples) guards against one slow
-    fetch: a level is taken only if, were this chunk's fetch that slow, the
-    remaining chunks could still end in time at their fastest option. When no
-    level passes the guard it is dropped (the plan above decides alone).
-
-    ``spread_s_per_bit`` (the standard deviation of past seconds-per-bit samples)
-    makes the even plan keep ``z`` standard deviations of the remaining chunks'
-    transfer time in hand: with independent per-chunk rates the total varies by
-    ``spread * sqrt(sum of bits^2)``, so the margin shrinks as the load nears its end.
+    ``futures`` (M, len(remaining) - 1): seconds per bit of each later chunk's
+    fetch in M possible futures (drawn from past samples). With them an even plan
+    fits when its ``risk_quantile`` finish time (:func:`finish_quantile`) is in
+    time, instead of its finish at ``tail_gbps``: the plan then keeps slack in
+    proportion to how much the link varies and to how little of that the compute
+    stage can hide, and none on a steady link.
     """
     if not remaining:
         raise ValueError("no chunk to plan")
@@ -142,28 +173,22 @@ def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostMode
         heads[o] = _step(state.net_busy_s, state.cpu_busy_s, head, o, gbps, costs)
     text_net, text_cpu = heads[TEXT]
     levels = [o for o in heads if o != TEXT]
-    if worst_gbps is not None and worst_gbps < gbps:
-        def recoverable(o: Choice) -> bool:
-            n, c = _step(state.net_busy_s, state.cpu_busy_s, head, o, worst_gbps, costs)
-            return cheapest_tail(tail, tg, costs, n, c, allowed)[1] <= budget
-        safe = [o for o in levels if recoverable(o)]
-        if safe:
-            levels = safe
 
     def pred(o: Choice, total: float) -> Prediction:
         return Prediction(o, heads[o][1], total, total <= budget)
 
-    def margin(o: Choice) -> float:
-        if not spread_s_per_bit:
-            return 0.0
-        bits2 = sum((8 * ch.sizes[o] if o in ch.sizes else 8 * min(ch.sizes.values(), default=0)) ** 2
-                    for ch in remaining)
-        return z * spread_s_per_bit * bits2 ** 0.5
+    fast = cheapest_tail(tail, tg, costs, *heads[levels[-1]], allowed)[2] if levels else []
+
+    def fits(o: Choice, total: float) -> bool:
+        if futures is None or not tail:
+            return total <= budget
+        plan = [o, *[o if o in ch.sizes else f for ch, f in zip(tail, fast)]]
+        return finish_quantile(remaining, plan, 1.0 / (gbps * 1e9), futures, costs, state, risk_quantile) <= budget
 
     # 1. an even plan
     for o in levels:
         total = tail_at(tail, o, tg, costs, *heads[o], allowed)
-        if total + margin(o) <= budget:
+        if fits(o, total):
             if text_cpu <= heads[o][1]:
                 tt = tail_at(tail, o, tg, costs, text_net, text_cpu, allowed)
                 if tt <= budget:
@@ -204,7 +229,7 @@ def smallest_level(chunk: PlanChunk, allowed: Sequence[int] | None = None) -> in
 
 def decide(policy: Union[str, int], remaining: Sequence[PlanChunk], costs: CostModel, *, time_left_s: float | None,
            cpu_busy_s: float, est_gbps: float, last_gbps: float, tail_gbps: float, known: bool,
-           worst_gbps: float | None = None, spread_s_per_bit: float | None = None,
+           history_s_per_bit: Sequence[float] | None = None, risk_quantile: float = RISK_QUANTILE,
            share_s: float | None = None, prev: Choice | None = None, allowed: Sequence[int] | None = None,
            safety: float = 1.0) -> Choice:
     """The loader's per-chunk decision for ``remaining[0]`` (shared by the loader and :mod:`.sim`).
@@ -214,6 +239,10 @@ def decide(policy: Union[str, int], remaining: Sequence[PlanChunk], costs: CostM
     prior): the first chunk takes the smallest stored level, a safe probe. The rule
     probes the same way after a text chunk, which gave it no new sample (otherwise
     it would stay on text for the rest of the load: the *stranded* rule).
+    ``history_s_per_bit``: past fetches' seconds per bit; with at least
+    :data:`MIN_HISTORY` of them the adaptive plan is checked against
+    :data:`FUTURES` futures resampled from them (seeded by the chunk index: the same
+    inputs give the same choice).
     """
     ch = remaining[0]
     if not ch.sizes or policy == TEXT:
@@ -234,5 +263,14 @@ def decide(policy: Union[str, int], remaining: Sequence[PlanChunk], costs: CostM
         n, c = _step(0.0, cpu_busy_s, ch, probe, est_gbps, costs)
         _, ct = _step(0.0, cpu_busy_s, ch, TEXT, est_gbps, costs)
         return TEXT if ct < c and ch.start == 0 else probe
+    futures = None
+    if history_s_per_bit is not None and len(history_s_per_bit) >= MIN_HISTORY and len(remaining) > 1:
+        rng = np.random.default_rng(ch.index)
+        h = np.asarray(history_s_per_bit, dtype=np.float64)
+        futures = rng.choice(h, size=(FUTURES, len(remaining) - 1))
+        # a link that slowed down beyond anything seen before (a step, not a dip) shifts every future
+        recent, older = h[-RECENT:], h[:-RECENT]
+        if older.size and recent.max() > older.max():
+            futures *= max(1.0, (1.0 / (est_gbps * 1e9)) / h.mean())
     return choose_adaptive(remaining, est_gbps, costs, st, allowed, tail_gbps=min(est_gbps, tail_gbps),
-                           safety=safety, worst_gbps=worst_gbps, spread_s_per_bit=spread_s_per_bit).choice
+                           safety=safety, futures=futures, risk_quantile=risk_quantile).choice

@@ -5,7 +5,7 @@ step by step: a fetch stage that decides each chunk with
 :func:`~cachegen.stream.planner.decide` (the same function the loader calls),
 moves its bytes over a bandwidth :class:`~cachegen.stream.link.Trace`, feeds the
 estimator, and hands it to a compute stage through a one-slot queue
-(``prefetch=1``), which decodes or recomputes it. Network time comes from the
+(``prefetch`` slots, as the loader's), which decodes or recomputes it. Network time comes from the
 trace (which the planner does not know); compute time from a cost model, by
 default the planner's own model times a seeded log-normal noise, so the planner
 is not told the truth. The bench uses it for the 100-run random trace and checks
@@ -22,7 +22,7 @@ from typing import Callable, Sequence, Union
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import Trace
-from cachegen.stream.planner import Choice, PlanChunk, decide
+from cachegen.stream.planner import RISK_QUANTILE, Choice, PlanChunk, decide
 
 
 @dataclass
@@ -38,10 +38,12 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
                   policy: Union[str, int] = "adaptive", estimator: ThroughputEstimator | None = None,
                   reserve_s: float = 0.0, allowed: Sequence[int] | None = None, safety: float = 0.95,
                   latency_s: float | None = None, cpu_noise: float = 0.2, seed: int = 0,
-                  compute_s: Callable[[int, Choice], float] | None = None, guard: bool = False,
-                  spread: bool = True) -> SimResult:
+                  compute_s: Callable[[int, Choice], float] | None = None, prefetch: int = 8,
+                  risk_quantile: float | None = RISK_QUANTILE) -> SimResult:
     """One load in virtual time. ``compute_s(i, choice)`` overrides the true compute seconds
-    (default: the cost model's prediction times ``exp(N(0, cpu_noise))``)."""
+    (default: the cost model's prediction times ``exp(N(0, cpu_noise))``). ``prefetch`` and
+    ``risk_quantile`` as in :class:`~cachegen.stream.loader.StreamingLoader` (None: plan at the
+    estimated rate alone)."""
     est = estimator or ThroughputEstimator()
     rng = random.Random(seed)
     lat = costs.fetch_latency_s if latency_s is None else latency_s
@@ -75,7 +77,8 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
                 busy += predicted(j, choices[j])
         c = decide(policy, chunks[i:], costs, time_left_s=None if slo_s is None else deadline - t, cpu_busy_s=busy,
                    est_gbps=est.estimate(), last_gbps=est.last(), tail_gbps=est.harmonic_mean(), known=est.known,
-                   worst_gbps=est.low() if guard else None, spread_s_per_bit=est.spread() if spread else None,
+                   history_s_per_bit=est.s_per_bit_history() if risk_quantile else None,
+                   risk_quantile=risk_quantile or RISK_QUANTILE,
                    share_s=share, prev=choices[-1] if choices else None, allowed=allowed, safety=safety)
         choices.append(c)
         if c == TEXT:
@@ -91,8 +94,8 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
             net_free = done
             est.add(nbytes, done - t)
         fetch_end.append(done)
-        # the one-slot queue: the put completes once the previous item has been taken
-        p = max(done, take_t[i - 1]) if i else done
+        # a queue of ``prefetch`` slots: the put completes once item i - prefetch has been taken
+        p = max(done, take_t[i - prefetch]) if i >= prefetch else done
         put_t.append(p)
         tk = max(p, comp_end[i - 1]) if i else p
         take_t.append(tk)
