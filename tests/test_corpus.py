@@ -54,3 +54,21 @@ def test_take_tokens_and_needle(smollm2):
     assert f"The secret number is {a.answer}." in text
     assert tok.decode(a.question_ids).rstrip().endswith(corpus.ANSWER_PREFIX)
     assert corpus.is_correct(f" {a.answer}.", a) and not corpus.is_correct(" 12", a)
+
+
+def test_calibration_mix_interleaves_sources_and_holds_no_evaluation_text():
+    from cachegen import corpus
+
+    calib = corpus.text("calib")
+    pyd = corpus.text("pydoc-calib")
+    assert calib.startswith(pyd[: corpus.CALIB_BLOCK_CHARS])
+    have = dict(corpus.licenses())
+    for name in corpus.CALIB_LICENSES:
+        if name in have:
+            assert have[name][:200] in calib
+    for name in ("GPL-3", "Apache-2.0", "GPL-2", "LGPL-2.1"):
+        if name in have:
+            t = have[name]
+            blocks = [t[i : i + 200] for i in range(0, len(t) - 200, 997)]
+            assert not any(b in calib for b in blocks), name
+    assert pyd[:200] in calib and corpus.text("pydoc-eval")[:200] not in calib

@@ -61,14 +61,19 @@ def _stream_section(model: str, out: Path, sizes: dict, link: str, log: Callable
     rand = run_stream_bench(model, trace="random", slo="auto", runs=5, sim_runs=200, context_tokens=n,
                             methods=["adaptive", "cachegen-rule"], json_path=str(out / "stream_random.json"),
                             link=link, log=log)
+    step = run_stream_bench(model, trace="step", slo="auto", runs=3, sim_runs=20, context_tokens=n,
+                            methods=["adaptive", "cachegen-rule", "cachegen-L1"], json_path=str(out / "stream_step.json"),
+                            link=link, log=log)
     return ["## Streaming under a deadline", "",
             f"{n}-token context in bf16. Constant 100 Mbit/s with the deadline `fastest` (every chunk at the most "
             "aggressive level at the measured bandwidth, plus the tail prefill, +25%); then the random trace "
             "(each chunk's bandwidth uniform in 0.1-10 Gbit/s) with the deadline `auto` (every chunk at the median "
-            "level at the median bandwidth). `wall` rows are real loads through the link; `virtual` rows replay "
+            "level at the median bandwidth); then a step from 1 to 0.1 Gbit/s in the middle of the load, deadline `auto`. "
+            "`wall` rows are real loads through the link; `virtual` rows replay "
             "the loader's decisions against the emulated link and the calibrated cost model "
             "(`cachegen bench stream`, see docs/streaming.md).", "",
-            table(const, STREAM_COLS, markdown=True), "", table(rand, STREAM_COLS, markdown=True), ""]
+            table(const, STREAM_COLS, markdown=True), "", table(rand, STREAM_COLS, markdown=True), "",
+            table(step, STREAM_COLS, markdown=True), ""]
 
 
 def run_all(

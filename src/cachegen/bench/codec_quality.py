@@ -94,9 +94,21 @@ def main(argv=None) -> None:
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)))
     ap.add_argument("--texts", default=",".join(EVAL_TEXTS), help="comma list of files or pydoc-eval")
     ap.add_argument("--json")
+    ap.add_argument("--recalibrate", action="store_true", help="rebuild the cached profile first (and time it)")
     a = ap.parse_args(argv)
     texts = tuple(a.texts.split(","))
-    rows = run_rate_quality(a.model, a.context, a.cont, levels=[int(x) for x in a.levels.split(",")], texts=texts)
+    profile = loaded = None
+    if a.recalibrate:
+        import time
+
+        from cachegen.engine.models import load_model
+
+        loaded = load_model(a.model)
+        t = time.perf_counter()
+        profile = load_or_calibrate(loaded, refresh=True)
+        print(f"calibrated profile {profile.id} in {time.perf_counter() - t:.1f} s")
+    rows = run_rate_quality(a.model, a.context, a.cont, levels=[int(x) for x in a.levels.split(",")], texts=texts,
+                            profile=profile, loaded=loaded)
     lic = [Path(t).name for t in texts if not t.startswith("pydoc")]
     for name, best in budget_summary(rows, lic or None).items():
         print(f"{name} budget on {', '.join(lic)}: " + (f"L{best[0]} {best[1]:.3f} b/v" if best else "no level passes"))

@@ -3,8 +3,9 @@
 ``load_or_calibrate(loaded_model)`` returns the cached profile for the
 model's fingerprint or builds it (PCA bases and tables from the KV of
 calibration text, step sizes from the model's Fisher sensitivity) in about a
-minute. Calibration text defaults to ``corpus.text("pydoc-calib")`` (half of CPython's pydoc topics); keep
-evaluation on other text (e.g. the licences in /usr/share/common-licenses).
+minute. Calibration text defaults to ``corpus.text("calib")`` (half of CPython's pydoc topics
+interleaved with the non-FSF licences); keep evaluation on other text (the GPL family,
+Apache-2.0, ``pydoc-eval``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from cachegen.codec.rope import RopeSpec
 from cachegen.codec.sensitivity import fisher_matrices
 from cachegen.engine.hf_cache import from_transformers, recording_cache
 
-CALIBRATION_VERSION = 3  # 2: pydoc-calib text, per-component Fisher over several contexts; 3: pre-RoPE keys
+CALIBRATION_VERSION = 4  # 2: pydoc-calib, per-component Fisher over several contexts; 3: pre-RoPE keys; 4: the "calib" mix
 # Measured correction of the Fisher KL prediction (see docs/codec.md); scales every level's target.
 KL_SCALE = 1.0
 
@@ -121,7 +122,7 @@ def calibrate_for_model(
     else:
         from cachegen import corpus
 
-        text = corpus.text("pydoc-calib")
+        text = corpus.text("calib")
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     need = n_samples * sample_tokens
     if ids.numel() < max(need, fisher_context + fisher_cont):
@@ -134,7 +135,7 @@ def calibrate_for_model(
     pairs = [(ids[f0 + j * span : f0 + j * span + fisher_context], ids[f0 + j * span + fisher_context : f0 + (j + 1) * span]) for j in range(n_f)]
     rope = rope_specs(model) if pre_rope else None
     sens = fisher_matrices(model, pairs, samples=fisher_samples, rope=rope)
-    meta = {"calibration": "pydoc-calib" if not texts else "custom", "sample_tokens": sample_tokens, "n_samples": n_samples, "n_fisher": n_f}
+    meta = {"calibration": "calib" if not texts else "custom", "sample_tokens": sample_tokens, "n_samples": n_samples, "n_fisher": n_f}
     return calibrate(samples, loaded_model.fingerprint, use_pca=use_pca, sensitivity=sens, kl_scale=kl_scale, meta=meta,
                      rope=rope)
 
