@@ -26,12 +26,14 @@ def test_rope_round_trip_and_norm(r, scale):
     assert not torch.allclose(rope(x, s, 7), y)  # the angle depends on the position
 
 
-def test_unrope_grad_is_the_chain_rule():
+def test_unrope_grad_is_the_transpose_of_rope():
+    """<rope(x), w> == <x, unrope_grad(w)>: the gradient w.r.t. pre-RoPE keys is R^T g."""
     s = spec(16, 1.2)
-    x = torch.randn(2, 6, 16, requires_grad=True)
-    w = torch.randn(2, 6, 16)
-    (rope(x, s, 123) * w).sum().backward()
-    assert torch.allclose(unrope_grad(w, s, 123), x.grad, atol=1e-5)
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 6, 16, generator=g), torch.randn(2, 6, 16, generator=g)
+    lhs = (rope(x, s, 123) * w).sum()
+    rhs = (x * unrope_grad(w, s, 123)).sum()
+    assert torch.allclose(lhs, rhs, rtol=1e-5)
 
 
 def rotated_kv(seed, T, start, s, L=2):

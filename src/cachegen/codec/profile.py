@@ -92,12 +92,15 @@ class Profile:
     n_sink: int = DEFAULT_SINK
     meta: dict = field(default_factory=dict)
     _bytes: bytes | None = field(default=None, repr=False, compare=False)
+    _id: str | None = field(default=None, repr=False, compare=False)
 
     # -- identity --------------------------------------------------------------
     @property
     def id(self) -> str:
-        """Hex content hash (32 hex digits) of the serialized profile."""
-        return hashlib.sha256(self.to_bytes()).hexdigest()[:32]
+        """Hex content hash (32 hex digits) of the serialized profile (computed once: every decode checks it)."""
+        if self._id is None:
+            self._id = hashlib.sha256(self.to_bytes()).hexdigest()[:32]
+        return self._id
 
     @property
     def id_bytes(self) -> bytes:

@@ -18,10 +18,14 @@ here loses compression, never correctness. Convention: Hugging Face's
 
 from __future__ import annotations
 
+from cachegen.codec import _numba_env  # noqa: F401  (sets NUMBA_CACHE_DIR before numba loads)
+
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
+from numba import njit
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,27 +54,44 @@ class RopeSpec:
         return emb.cos() * self.scale, emb.sin() * self.scale
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+@lru_cache(maxsize=16)
+def _half_tables(inv_freq: bytes, scale: float, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(n, r/2) cos and sin times ``scale``; one chunk's layers share them (cached)."""
+    inv = np.frombuffer(inv_freq, dtype=np.float32)
+    pos = np.arange(start, start + n, dtype=np.int64).astype(np.float32)
+    freqs = pos[:, None] * inv[None, :]  # float32, as transformers computes the angles
+    return (np.cos(freqs) * np.float32(scale)).astype(np.float32), (np.sin(freqs) * np.float32(scale)).astype(np.float32)
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def _rotate(x, cos_h, sin_h, sign, factor, out):
+    """Pairs ``(j, j + r/2)`` of each token: ``(a, b) -> factor * (a c - b s', b c + a s')``, ``s' = sign * s``."""
+    H, T, D = x.shape
+    r2 = cos_h.shape[1]
+    for h in range(H):
+        for t in range(T):
+            for j in range(r2):
+                a = x[h, t, j]
+                b = x[h, t, j + r2]
+                c = cos_h[t, j]
+                s = sin_h[t, j] * sign
+                out[h, t, j] = factor * (a * c - b * s)
+                out[h, t, j + r2] = factor * (b * c + a * s)
+            for j in range(2 * r2, D):
+                out[h, t, j] = x[h, t, j]
 
 
 def _apply(x: torch.Tensor, spec: RopeSpec, start: int, inverse: bool, grad: bool = False) -> torch.Tensor:
     """x (H, T, D) float32; rotates the first ``rotary_dim`` channels."""
-    r = spec.rotary_dim
-    if x.shape[1] == 0 or r == 0:
+    if x.shape[1] == 0 or spec.rotary_dim == 0:
         return x
-    cos, sin = spec.cos_sin(start, x.shape[1])
-    xr = x[..., :r]
-    if inverse:  # R^-1 y = R^T y / scale^2; the gradient w.r.t. the pre-RoPE key is R^T g
-        out = xr * cos - _rotate_half(xr) * sin
-        if not grad:
-            out = out / (spec.scale * spec.scale)
-    else:
-        out = xr * cos + _rotate_half(xr) * sin
-    if r == x.shape[-1]:
-        return out
-    return torch.cat((out, x[..., r:]), dim=-1)
+    cos_h, sin_h = _half_tables(spec.inv_freq.tobytes(), float(spec.scale), int(start), int(x.shape[1]))
+    xn = np.ascontiguousarray(x.detach().numpy())
+    out = np.empty_like(xn)
+    # R^-1 y = R^T y / scale^2; the gradient w.r.t. the pre-RoPE key is R^T g
+    factor = 1.0 / (spec.scale * spec.scale) if inverse and not grad else 1.0
+    _rotate(xn, cos_h, sin_h, np.float32(-1.0 if inverse else 1.0), np.float32(factor), out)
+    return torch.from_numpy(out)
 
 
 def unrope(x: torch.Tensor, spec: RopeSpec | None, start: int) -> torch.Tensor:

@@ -21,28 +21,25 @@ def forward_section(sp: SectionLike, x: torch.Tensor, start: int = 0) -> np.ndar
     """x (H, T, D) at positions ``start..`` -> y (T, H*D) float32, ``y = (unrope(x) - mean) @ basis`` per head."""
     h, t, d = x.shape
     x = unrope(x, getattr(sp, "rope", None), start)
-    mean = torch.from_numpy(sp.mean).view(h, 1, d)
-    xc = x - mean
+    xc = x - torch.from_numpy(sp.mean).view(h, 1, d)
     if sp.basis is not None:
-        y = torch.einsum("htd,hde->the", xc, torch.from_numpy(sp.basis))
-    else:
-        y = xc.permute(1, 0, 2)
-    return np.ascontiguousarray(y.reshape(t, h * d).numpy())
+        xc = torch.bmm(xc, torch.from_numpy(sp.basis))  # per head (T, D) @ (D, D): bmm beats einsum here
+    return np.ascontiguousarray(xc.permute(1, 0, 2).reshape(t, h * d).numpy())
 
 
 def inverse_section(sp: SectionLike, y: np.ndarray, heads: int, dim: int, dtype: torch.dtype,
                     start: int = 0) -> torch.Tensor:
     """y (T, H*D) -> x (H, T, D) in ``dtype`` (``x = rope(y @ inv + mean)``, ``inv = basis.T`` unless given)."""
     t = y.shape[0]
-    yt = torch.from_numpy(y).view(t, heads, dim)
+    yt = torch.from_numpy(y).view(t, heads, dim).transpose(0, 1)  # (H, T, D) view
     inv = getattr(sp, "inv", None)
     if inv is not None:
-        x = torch.einsum("the,hed->htd", yt, torch.from_numpy(inv))
+        x = torch.bmm(yt, torch.from_numpy(inv))
     elif sp.basis is not None:
-        x = torch.einsum("the,hde->htd", yt, torch.from_numpy(sp.basis))
+        x = torch.bmm(yt, torch.from_numpy(sp.basis).transpose(1, 2))
     else:
-        x = yt.permute(1, 0, 2)
-    x = x + torch.from_numpy(sp.mean).view(heads, 1, dim)
+        x = yt.contiguous()
+    x.add_(torch.from_numpy(sp.mean).view(heads, 1, dim))
     spec = getattr(sp, "rope", None)
     if spec is not None:
         x = rope(x, spec, start)
