@@ -132,7 +132,7 @@ def test_sim_random_trace_risk_planning_and_prefetch_lower_misses():
     med = statistics.median(g for t in traces for _, g in t.points)
     slo = simulate(cs, [4] * 16, med, COSTS) + 0.05
     miss = {}
-    for name, kw_ in (("risk", {}), ("plain", {"risk_quantile": None}), ("shallow", {"prefetch": 1}),
+    for name, kw_ in (("risk", {"risk_quantile": 0.85}), ("plain", {}), ("shallow", {"prefetch": 1, "risk_quantile": 0.85}),
                       ("rule", {})):
         est = ThroughputEstimator()
         rs = [simulate_load(cs, t, COSTS, slo, policy="rule" if name == "rule" else "adaptive", estimator=est,

@@ -129,7 +129,7 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                      methods: Sequence[str] | None = None, dtype: str = "bfloat16", seed: int = 0,
                      log: Callable[[str], None] = print, sim_runs: int = 0, quick: bool = False,
                      store_dir: str | None = None, prefetch: int = 8,
-                     risk_quantile: float | None = RISK_QUANTILE) -> list[dict]:
+                     risk_quantile: float | None = None) -> list[dict]:
     """Run the bench; returns the rows (and writes ``json_path``).
 
     ``prefetch`` and ``risk_quantile``: the loader's (and the replay's) settings, for measuring
@@ -431,9 +431,9 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="serving dtype of the model (default bfloat16)")
     p.add_argument("--json", default=None)
     p.add_argument("--prefetch", type=int, default=8, help="fetched chunks that may wait for decoding (default 8)")
-    p.add_argument("--risk-quantile", type=float, default=RISK_QUANTILE,
-                   help=f"the adaptive plan must finish in time in this fraction of sampled futures "
-                        f"(default {RISK_QUANTILE}; 0 = plan at the estimated rate alone)")
+    p.add_argument("--risk-quantile", type=float, default=0.0,
+                   help=f"risk planning: the adaptive plan must finish in time in this fraction of sampled "
+                        f"futures (e.g. {RISK_QUANTILE}); default 0 = plan at the estimated rate alone")
     p.set_defaults(func=lambda a: (run_stream_bench(
         a.model, a.trace, a.slo, a.runs, a.context_tokens, a.json, a.link, a.gbps,
         a.methods.split(",") if a.methods else None, a.dtype, sim_runs=a.sim_runs, quick=a.quick,

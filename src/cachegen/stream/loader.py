@@ -110,16 +110,17 @@ class StreamingLoader:
     what the last one measured); a fresh one without a prior makes the first chunk a probe
     at the smallest level. ``prefetch``: fetched payloads that may wait for the compute stage;
     a deep queue lets fast fetches run ahead so that a later slow one is hidden behind decoding
-    (8 chunks of 256 tokens at the best level are ~20 MB for SmolLM2). ``risk_quantile``: the
-    adaptive plan must finish by the deadline in this fraction of the futures drawn from the
-    estimator's history (see :func:`~cachegen.stream.planner.choose_adaptive`, docs/streaming.md).
+    (8 chunks of 256 tokens at the best level are ~20 MB for SmolLM2). ``risk_quantile`` (off by
+    default: measured not to pay on the random trace): the adaptive plan must finish by the
+    deadline in this fraction of the futures drawn from the estimator's history (see
+    :func:`~cachegen.stream.planner.choose_adaptive`, docs/streaming.md).
     """
 
     def __init__(self, store, codec, recompute: Recompute, costs: CostModel | None = None, slo_s: float | None = 1.0,
                  link=None, policy: Union[str, int] = ADAPTIVE, estimator: ThroughputEstimator | None = None,
                  levels: Sequence[int] | None = None, prefetch: int = 8, reserve_s: float = 0.0,
                  safety: float = 0.95, dtype: torch.dtype | None = None, values_per_token: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter, risk_quantile: float | None = RISK_QUANTILE):
+                 clock: Callable[[], float] = time.perf_counter, risk_quantile: float | None = None):
         if prefetch < 1:
             raise ConfigError("prefetch must be >= 1")
         if risk_quantile is not None and not 0.0 < risk_quantile < 1.0:

@@ -39,7 +39,7 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
                   reserve_s: float = 0.0, allowed: Sequence[int] | None = None, safety: float = 0.95,
                   latency_s: float | None = None, cpu_noise: float = 0.2, seed: int = 0,
                   compute_s: Callable[[int, Choice], float] | None = None, prefetch: int = 8,
-                  risk_quantile: float | None = RISK_QUANTILE) -> SimResult:
+                  risk_quantile: float | None = None) -> SimResult:
     """One load in virtual time. ``compute_s(i, choice)`` overrides the true compute seconds
     (default: the cost model's prediction times ``exp(N(0, cpu_noise))``). ``prefetch`` and
     ``risk_quantile`` as in :class:`~cachegen.stream.loader.StreamingLoader` (None: plan at the
