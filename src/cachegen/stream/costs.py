@@ -92,6 +92,12 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+# Inside the loader a chunk decodes in 1.3-1.7x the best isolated time measured here (a payload
+# fetched moments ago, cold caches, the fetch thread running): measured 20-28 ms against 15 ms
+# for a 256-token SmolLM2 chunk. With 15% headroom the demo missed its 2 s deadline by 20 ms.
+DECODE_HEADROOM = 1.5
+
+
 def calibrate_decode(codec, sample: KVCache, levels: Sequence[int], repeats: int = 2,
                      base: CostModel | None = None) -> CostModel:
     """Measure decode seconds per million values for each level on ``sample``."""
@@ -101,7 +107,7 @@ def calibrate_decode(codec, sample: KVCache, levels: Sequence[int], repeats: int
         blob = codec.encode(sample, level)
         codec.decode(blob)  # warm-up (JIT, caches)
         t = best_time(lambda: codec.decode(blob), repeats)
-        cm.decode_s_per_mvalue[int(level)] = max(t - cm.decode_fixed_s, 0.0) / mv * 1.15  # 15% headroom
+        cm.decode_s_per_mvalue[int(level)] = max(t - cm.decode_fixed_s, 0.0) / mv * DECODE_HEADROOM
     cm.source = "calibrated"
     return cm
 
