@@ -75,16 +75,6 @@ QUICK = {"context_tokens": 1024, "runs": 2, "sim_runs": 50,
 SIM_METHODS = ("adaptive", "cachegen-rule")  # plus cachegen-L<n>: the ones the cost model knows
 
 
-def _at_trace_rates(chunks, level, trace, costs) -> float:
-    """Predicted load time with every chunk at ``level`` and at its own bandwidth in ``trace``."""
-    from cachegen.stream.planner import _step
-
-    net = cpu = 0.0
-    for ch in chunks:
-        net, cpu = _step(net, cpu, ch, level, trace.gbps_at(ch.index), costs)
-    return cpu
-
-
 def _slo_value(slo, chunks, levels, traces, costs, reserve: float, log, eight_bit_bytes: int | None = None) -> float:
     """``auto``: every chunk at the median level at the traces' median bandwidth (+ reserve + 50 ms);
     ``trace-auto``: every chunk at the median level at its own bandwidth in the trace (median over
@@ -99,7 +89,7 @@ def _slo_value(slo, chunks, levels, traces, costs, reserve: float, log, eight_bi
     n = len(chunks)
     if slo == "trace-auto":
         lv = levels[len(levels) // 2]
-        v = round(statistics.median(_at_trace_rates(chunks, lv, tr, costs) for tr in traces) + reserve + 0.05, 3)
+        v = round(statistics.median(simulate(chunks, [lv] * n, tr.gbps_at, costs) for tr in traces) + reserve + 0.05, 3)
         log(f"[stream] slo trace-auto = {v:.3f}s (L{lv} at each chunk's bandwidth + reserve + 50 ms)")
         return v
     if slo.startswith("8bit:"):

@@ -48,10 +48,8 @@ class RopeSpec:
 
     def cos_sin(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(n, r) cos and sin (already times ``scale``) for positions ``start .. start + n - 1``."""
-        pos = torch.arange(start, start + n, dtype=torch.int64).to(torch.float32)
-        freqs = pos[:, None] * torch.from_numpy(self.inv_freq)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.scale, emb.sin() * self.scale
+        c, s = _half_tables(self.inv_freq.tobytes(), float(self.scale), int(start), int(n))
+        return torch.from_numpy(np.concatenate((c, c), axis=1)), torch.from_numpy(np.concatenate((s, s), axis=1))
 
 
 @lru_cache(maxsize=16)

@@ -19,7 +19,7 @@ whenever it finishes the chunk sooner than fetching the chosen level.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, Union
+from typing import Callable, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -79,13 +79,14 @@ def _step(net: float, cpu: float, chunk: PlanChunk, choice: Choice, gbps: float,
     return net, max(cpu, net) + c
 
 
-def simulate(chunks: Sequence[PlanChunk], choices: Sequence[Choice], gbps: float, costs: CostModel,
-             state: PipelineState | None = None) -> float:
-    """Predicted seconds from now until the last chunk's compute ends."""
+def simulate(chunks: Sequence[PlanChunk], choices: Sequence[Choice], gbps: float | Callable[[int], float],
+             costs: CostModel, state: PipelineState | None = None) -> float:
+    """Predicted seconds from now until the last chunk's compute ends; ``gbps`` is one rate, or
+    a function of the chunk index (e.g. a trace's ``gbps_at``)."""
     st = state or PipelineState(0.0)
     net, cpu = st.net_busy_s, st.cpu_busy_s
     for ch, c in zip(chunks, choices):
-        net, cpu = _step(net, cpu, ch, c, gbps, costs)
+        net, cpu = _step(net, cpu, ch, c, gbps(ch.index) if callable(gbps) else gbps, costs)
     return cpu
 
 
@@ -177,7 +178,8 @@ def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostMode
     def pred(o: Choice, total: float) -> Prediction:
         return Prediction(o, heads[o][1], total, total <= budget)
 
-    fast = cheapest_tail(tail, tg, costs, *heads[levels[-1]], allowed)[2] if levels else []
+    # risk planning only: the fastest option of each later chunk, for chunks lacking the planned level
+    fast = cheapest_tail(tail, tg, costs, *heads[levels[-1]], allowed)[2] if futures is not None and levels else []
 
     def fits(o: Choice, total: float) -> bool:
         if futures is None or not tail:
