@@ -19,7 +19,7 @@ TARGET = Path(__file__).resolve().parents[1] / "src" / "cachegen" / "codec" / "_
 def _lane(j: int, indent: str) -> list[str]:
     """Decode one symbol of lane ``j`` (column ``cb + j``, output ``oi + j``)."""
     return [
-        f"{indent}e = np.int64(pk[tb[cb + np.uint64({j})] + np.uint64(s{j} & mask)])",
+        f"{indent}e = np.int64(pk[tb[cb + np.uint64({j})] + ro + np.uint64(s{j} & mask)])",
         f"{indent}x = (((e >> 12) & 0xFFF) + 1) * (s{j} >> prec) + (e & 0xFFF)",
         f"{indent}f = np.int64(x < 65536)",
         f"{indent}s{j} = (x << (f << 4)) | (np.int64(words[p]) & (-f))",
@@ -41,11 +41,12 @@ def source() -> str:
         "",
         "",
         "@njit(nogil=True, cache=True, boundscheck=False)",
-        "def decode_lanes(words, nwords, tab_idx, packed, prec, out):",
+        "def decode_lanes(words, nwords, tab_idx, row_idx, packed, prec, out):",
         '    """Decode C-contiguous ``out`` (n, S) from one interleaved stream; returns 0 iff it ended cleanly.',
         "",
         "    ``words`` holds ``nwords`` stream words then at least ``S + 1`` pad words; ``packed`` is",
-        "    :attr:`cachegen.codec.rans.Tables.packed` (precision <= 12, uint8 symbols).\"\"\"",
+        "    :attr:`cachegen.codec.rans.Tables.packed` (precision <= 12, uint8 symbols). The model of",
+        "    symbol ``(t, c)`` is ``tab_idx[c] + row_idx[t]`` (both >= 0, checked by the caller).\"\"\"",
         "    n = out.shape[0]",
         "    S = out.shape[1]",
         f"    rem = S % {LANES}",
@@ -53,6 +54,7 @@ def source() -> str:
         f"    nl = min({LANES}, S)",
         "    mask = (np.int64(1) << prec) - 1",
         "    tb = (tab_idx * (mask + 1)).astype(np.uint64)",
+        "    rb = (row_idx * (mask + 1)).astype(np.uint64)",
         "    pk = packed.ravel()",
         "    o = out.ravel()",
         "    nw = np.uint64(nwords)",
@@ -67,6 +69,7 @@ def source() -> str:
         "    for t in range(n):",
         "        if p > nw:",
         "            return 1",
+        "        ro = rb[t]",
         f"        for c0 in range(0, full, {LANES}):",
         "            cb = np.uint64(c0)",
     ]

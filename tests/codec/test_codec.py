@@ -6,7 +6,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cachegen.codec import FORMAT_VERSION, LEVELS, LOSSLESS, Codec, Profile, calibrate
+from cachegen.codec import FORMAT_VERSION, LEVELS, LOSSLESS, Codec, Profile, calibrate, importance
+from cachegen.codec.transform import forward_section
 from cachegen.errors import CorruptChunk, FormatVersionError, ProfileMismatch
 from cachegen.kv import KVCache, KVLayer, LayerKind
 
@@ -22,14 +23,30 @@ def rand_kv(seed=0, L=3, H=2, T=48, D=16, Dv=None, start=0, dtype=torch.float32)
     return KVCache(layers, start=start)
 
 
+def planted_sensitivity(kv):
+    """Per-token sensitivities (layers, 2, heads, tokens) that follow each token's first key
+    channel: a token-importance predictor can learn them, so chunks carry a spread of multipliers."""
+    out = []
+    for l in kv.layers:
+        z = l.k[..., 0].double().numpy()
+        z = (z - z.mean()) / z.std()
+        out.append(np.stack([np.exp(2.0 * z), np.exp(-1.5 * z)]))
+    return np.stack(out)
+
+
 @pytest.fixture(scope="module")
 def profile():
-    return calibrate([rand_kv(100 + i, T=160) for i in range(2)], "fp-test")
+    """A profile with token importance (every codec test then covers the multiplier streams)."""
+    imp_kv = rand_kv(300, T=400)
+    return calibrate([rand_kv(100 + i, T=160) for i in range(2)], "fp-test",
+                     importance_data=[(imp_kv, planted_sensitivity(imp_kv))])
 
 
 def bound(prof, level, sec, d):
-    # orthonormal per-head basis: per-value error <= ||y err||_2 <= sqrt(d) * max step / 2
-    return float(prof.levels[level].steps[sec].max()) * 0.5 * np.sqrt(d) * 1.001 + 1e-5
+    # orthonormal per-head basis: per-value error <= ||y err||_2 <= sqrt(d) * max step / 2,
+    # a token's step being at most 2^(U_MAX/2) times the component's
+    mult = 2.0 ** (importance.U_MAX / 2) if prof.sections[sec].imp is not None else 1.0
+    return float(prof.levels[level].steps[sec].max()) * mult * 0.5 * np.sqrt(d) * 1.001 + 1e-5
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -43,6 +60,43 @@ def test_error_bound_per_level(profile, level):
         assert torch.equal(a.k[:, :2], b.k[:, :2])  # sink tokens (positions 2, 3) exact
         assert (a.k - b.k).abs().max() <= bound(profile, level, 2 * li, 16)
         assert (a.v - b.v).abs().max() <= bound(profile, level, 2 * li + 1, 16)
+
+
+@pytest.mark.parametrize("level", (1, 4, 7))
+def test_token_multipliers_exact_bound(profile, level):
+    """In the basis domain every value is within half its token's step: ``step_c * 2^(u_t/2) / 2``,
+    with ``u_t`` the multiplier the encoder predicted (and the chunk carries)."""
+    kv = rand_kv(21, T=96, start=40)
+    out = Codec(profile).decode(Codec(profile).encode(kv, level))
+    spread = set()
+    for li, (a, b) in enumerate(zip(kv.layers, out.layers)):
+        sps = profile.sections[2 * li : 2 * li + 2]
+        ya = [forward_section(sp, x, kv.start) for sp, x in zip(sps, (a.k, a.v))]
+        yb = [forward_section(sp, x, kv.start) for sp, x in zip(sps, (b.k, b.v))]
+        us = importance.layer_multipliers([sp.imp for sp in sps], ya[0], ya[1], a.k.shape[0], kv.start + np.arange(kv.num_tokens))
+        for j in range(2):
+            spread |= set(us[j].tolist())
+            step = profile.levels[level].steps[2 * li + j][None, :] * importance.row_scale(us[j])[:, None]
+            assert (np.abs(ya[j] - yb[j]) <= step * 0.5 * 1.0001 + 1e-5).all()
+    assert len(spread) >= 3  # the planted sensitivities give the tokens different steps
+
+
+def test_importance_fit_learns_planted_sensitivity():
+    kv = rand_kv(301, T=400)
+    sens = planted_sensitivity(kv)
+    prof = calibrate([rand_kv(100, T=160)], "fp", importance_data=[(kv, sens)])
+    test = rand_kv(302, T=300)
+    ys = [forward_section(prof.sections[i], x, 0) for i, x in enumerate((test.layers[0].k, test.layers[0].v))]
+    u = importance.layer_multipliers([prof.sections[0].imp], ys[0], ys[1], 2, np.arange(300))[0]
+    truth = planted_sensitivity(test)[0, 0].mean(axis=0)
+    assert np.corrcoef(u, -np.log(truth))[0, 1] > 0.8  # sensitive tokens get fine steps
+    # the offset keeps the sensitivity-weighted noise of the calibration tokens unchanged
+    sink = prof.n_sink  # sink tokens are stored exactly, so calibration leaves them out
+    ys = [forward_section(prof.sections[i], x[:, sink:], sink) for i, x in enumerate((kv.layers[0].k, kv.layers[0].v))]
+    f = importance.features(ys[0], ys[1], 2, np.arange(sink, 400))
+    r = sens[0, 0, :, sink:].sum(axis=0)
+    ratio = (r * 2.0 ** importance.multipliers(prof.sections[0].imp, f, 400 - sink)).sum() / r.sum()
+    assert 0.6 < ratio <= 1.0
 
 
 def test_levels_order_rate_and_error(profile):

@@ -130,6 +130,23 @@ def test_interleaved_unrolled_lanes_every_width(S):
         rans.decode_interleaved(words[:-1], 37, idx, tables)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), st.integers(0, 10**6))
+def test_interleaved_row_shift_round_trip(n, S, seed):
+    """Symbol (t, c) coded with model ``table_index[c] + row_shift[t]``, on both decoders."""
+    rng = np.random.default_rng(seed)
+    models = [rans.Categorical.from_counts(rng.integers(1, 30, 20), 12) for _ in range(6)]
+    wide = [rans.Categorical.from_counts(rng.integers(1, 30, 300), 12) for _ in range(6)]  # the generic decoder
+    for tables, a in ((rans.Tables.build(models), 20), (rans.Tables.build(wide), 300)):
+        sym = rng.integers(0, a, size=(n, S)).astype(tables.symbol_dtype)
+        idx = rng.integers(2, 4, S)
+        shift = rng.integers(-2, 3, n)
+        words = rans.encode_interleaved(sym, idx, tables, row_shift=shift)
+        assert np.array_equal(rans.decode_interleaved(words, n, idx, tables, row_shift=shift), sym)
+        with pytest.raises(CorruptChunk):  # a shift that leaves the tables
+            rans.decode_interleaved(words, n, idx, tables, row_shift=shift + 10)
+
+
 def test_generated_lanes_module_is_current():
     import importlib.util
     from pathlib import Path

@@ -149,7 +149,9 @@ def test_adaptive_meets_deadline_and_reacts_to_drop(setup):
     est = ThroughputEstimator(prior_gbps=1.0, min_bytes=0)
     costs = CostModel(fetch_latency_s=0.0005, recompute_s_per_token=1e-3)
     slo = 0.12
-    loader = StreamingLoader(store, codec, model.recompute, costs=costs, link=link, estimator=est, slo_s=slo)
+    # in chunk order (no recency boost: with it the last chunk, on the slow side, is fetched first)
+    loader = StreamingLoader(store, codec, model.recompute, costs=costs, link=link, estimator=est, slo_s=slo,
+                             recency_boost=0)
     res = loader.load(tokens)
     ch = res.choices
     assert ch[0] == 0  # plenty of bandwidth: lossless
@@ -224,3 +226,43 @@ def test_rule_after_text_probes_in_loader(setup):
                           policy="rule", slo_s=1.0, costs=CostModel(fetch_latency_s=0.0)).load(tokens)
     assert res.choices[0] == TEXT and res.choices[1] != TEXT  # not stranded on text
     assert TEXT not in res.choices[2:], res.choices
+
+
+def _warm_adaptive(store, codec, model, **kw):
+    """An adaptive loader with a warm estimator on a fast link: it fetches the last chunk first."""
+    est = ThroughputEstimator(prior_gbps=1.0, min_bytes=0)
+    return StreamingLoader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
+                           slo_s=5.0, costs=CostModel(fetch_latency_s=0.0), **kw)
+
+
+def test_adaptive_fetches_the_last_chunk_first(setup):
+    model, codec, store, tokens, kv = setup
+    faulty = FaultyStore(store)  # records the fetch order
+    res = _warm_adaptive(faulty, codec, model).load(tokens)
+    assert [i for i, _ in faulty.gets] == [6, 0, 1, 2, 3, 4, 5]
+    assert res.choices == [0] * 7 and not res.faults  # generous deadline: lossless everywhere
+    assert_same(res.kv, kv)
+    plain = FaultyStore(store)
+    _warm_adaptive(plain, codec, model, recency_boost=0).load(tokens)
+    assert [i for i, _ in plain.gets] == list(range(7))
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "missing", "timeout"])
+def test_fault_on_the_early_last_chunk_recomputes_only_it(setup, fault):
+    model, codec, store, tokens, kv = setup
+    faulty = FaultyStore(store, {6: fault})
+    res = _warm_adaptive(faulty, codec, model).load(tokens)
+    assert len(res.faults) == 1 and "chunk 6" in res.faults[0]
+    assert res.choices == [0] * 6 + [TEXT] and res.decisions[6].reason == "fault"
+    assert [i for i, _ in faulty.gets] == [6, 0, 1, 2, 3, 4, 5]  # the rest was still fetched
+    assert model.calls[-1] == (6 * CHUNK, N_TOKENS - 6 * CHUNK)  # recomputed on top of the others
+    assert_same(res.kv, kv)
+
+
+def test_planned_recompute_of_the_last_chunk_waits_for_the_others(setup):
+    model, codec, store, tokens, kv = setup
+    est = ThroughputEstimator(prior_gbps=1e-6, min_bytes=0)  # a dead link: recompute beats any fetch
+    res = StreamingLoader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est, slo_s=5.0,
+                          costs=CostModel(fetch_latency_s=0.0)).load(tokens)
+    assert res.decisions[6].choice == TEXT and res.decisions[6].reason == "planned"
+    assert_same(res.kv, kv, atol=0.05)

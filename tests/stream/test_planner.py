@@ -4,8 +4,8 @@ from hypothesis import given, settings, strategies as st
 
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
-from cachegen.stream.planner import (PipelineState, PlanChunk, chunk_costs, choose_adaptive, choose_rule, simulate,
-                                     cheapest_tail, tail_at)
+from cachegen.stream.planner import (PipelineState, PlanChunk, chunk_costs, choose_adaptive, choose_rule, lift, simulate,
+                                     cheapest_tail, tail_at, with_recency_boost)
 
 COSTS = CostModel(decode_s_per_mvalue={}, decode_s_per_mvalue_default=0.002, decode_fixed_s=0.001,
                   recompute_fixed_s=0.01, recompute_s_per_token=1e-3, recompute_s_per_token_ctx=1e-7,
@@ -30,6 +30,38 @@ def test_tight_deadline_picks_lower_quality():
     tight = choose_adaptive(cs, 1.0, COSTS, PipelineState(time_left_s=0.12)).choice
     assert best == 1
     assert tight == 3  # 8 chunks x 3.5 bits/value ~ 0.104 s; 5 bits ~ 0.148 s
+
+
+def test_recency_boost_marks_the_last_chunk_and_lifts_it():
+    cs = with_recency_boost(chunks(), 2)
+    assert [c.boost for c in cs] == [0] * 7 + [2]
+    assert [lift(cs[-1], lv) for lv in (1, 2, 3, 4)] == [1, 1, 1, 2]
+    assert lift(cs[0], 3) == 3 and lift(cs[-1], TEXT) == TEXT
+    assert lift(cs[-1], 4, allowed=(2, 4)) == 2  # lifted among the allowed levels only
+
+
+def test_recency_boost_spends_the_deadline_on_the_last_chunk():
+    """With a boost the even plan's level is paid for by every chunk so that the last one gets a
+    better level, and the choices the planner makes one by one still fit the deadline."""
+    plain, boosted = chunks(), with_recency_boost(chunks(), 2)
+    budget = 0.12  # the even plan at 1 Gbps is level 3 (see test_tight_deadline_picks_lower_quality)
+
+    def run(cs):
+        picks, net, cpu = [], 0.0, 0.0
+        for i in range(len(cs)):
+            st = PipelineState(time_left_s=budget, net_busy_s=net, cpu_busy_s=cpu)
+            c = choose_adaptive(cs[i:], 1.0, COSTS, st).choice
+            picks.append(c)
+            n, d = chunk_costs(cs[i], c, 1.0, COSTS)
+            net += n
+            cpu = max(cpu, net) + d
+        return picks, simulate(cs, picks, 1.0, COSTS)
+
+    p_plain, t_plain = run(plain)
+    p_boost, t_boost = run(boosted)
+    assert p_boost[-1] == 1 < p_plain[-1]  # measured: plain 3,3,2,2,2,2,2,2; boosted 3,3,3,3,2,2,2,1
+    assert sum(p_boost[:-1]) > sum(p_plain[:-1])  # earlier chunks pay for it
+    assert t_boost <= budget and t_plain <= budget
 
 
 def test_bandwidth_collapse_falls_back_to_text():

@@ -35,20 +35,27 @@ def _entropy_speed(prof, kv, level: int, threads: int) -> tuple[float, float]:
     """(decode, encode) M symbols/s of the rANS coder alone (as the codec uses it), sections split over threads."""
     from cachegen.codec.transform import forward_section
 
+    from cachegen.codec import importance
+    from cachegen.codec.profile import TABLE_PAD
+
     lp = prof.levels[level]
-    tables, cls = lp.tables(), lp.classes(prof.sections)
-    xs = [t for l in kv.layers for t in (l.k, l.v)]
+    tables, cls = lp.padded_tables(), lp.classes(prof.sections)
     jobs = []
-    for i, x in enumerate(xs):
-        y = forward_section(prof.sections[i], x[:, prof.n_sink :], prof.n_sink)
-        sym = np.empty(y.shape, dtype=np.uint8)
-        esc = np.empty(y.size + 1, dtype=np.int32)
-        quant.quantize(y, (1.0 / lp.steps[i]).astype(np.float32), cls[i], tables.freq, sym, esc)
-        jobs.append((rans.encode_interleaved(sym, cls[i], tables), y.shape[0], cls[i], sym))
+    for li, layer in enumerate(kv.layers):
+        ys = [forward_section(prof.sections[2 * li + j], x[:, prof.n_sink :], prof.n_sink) for j, x in enumerate((layer.k, layer.v))]
+        us = importance.layer_multipliers([prof.sections[2 * li + j].imp for j in range(2)], ys[0], ys[1], layer.k.shape[0],
+                                          prof.n_sink + np.arange(ys[0].shape[0]))
+        for j, (y, u) in enumerate(zip(ys, us)):
+            i = 2 * li + j
+            sym = np.empty(y.shape, dtype=np.uint8)
+            esc = np.empty(y.size + 1, dtype=np.int32)
+            quant.quantize(y, (1.0 / lp.steps[i]).astype(np.float32), 1.0 / importance.row_scale(u), cls[i] + TABLE_PAD, -u,
+                           tables.freq, sym, esc)
+            jobs.append((rans.encode_interleaved(sym, cls[i] + TABLE_PAD, tables, -u), y.shape[0], cls[i] + TABLE_PAD, sym, -u))
     n = sum(j[1] * j[2].size for j in jobs)
     with ThreadPoolExecutor(threads) as ex:
-        td = best_time(lambda: list(ex.map(lambda j: rans.decode_interleaved(j[0], j[1], j[2], tables), jobs)), 5)
-        te = best_time(lambda: list(ex.map(lambda j: rans.encode_interleaved(j[3], j[2], tables), jobs)), 5)
+        td = best_time(lambda: list(ex.map(lambda j: rans.decode_interleaved(j[0], j[1], j[2], tables, row_shift=j[4]), jobs)), 5)
+        te = best_time(lambda: list(ex.map(lambda j: rans.encode_interleaved(j[3], j[2], tables, j[4]), jobs)), 5)
     return n / td / 1e6, n / te / 1e6
 
 

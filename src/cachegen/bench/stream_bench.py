@@ -26,7 +26,7 @@ from cachegen.kv import KVCache
 from cachegen.store import ContextStore, Namespace, open_backend
 from cachegen.stream import TEXT, CostModel, StreamingLoader, ThrottledLink, ThroughputEstimator, make_trace
 from cachegen.stream.costs import calibrate_decode, calibrate_recompute, default_path
-from cachegen.stream.planner import RISK_QUANTILE, PlanChunk, simulate
+from cachegen.stream.planner import RECENCY_BOOST, RISK_QUANTILE, PlanChunk, simulate, with_recency_boost
 
 FIELDS = ("method", "trace", "ttft_s_p50", "ttft_s_p95", "deadline_miss_rate", "mean_kl")
 CHUNK_TOKENS = 256
@@ -119,11 +119,11 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                      methods: Sequence[str] | None = None, dtype: str = "bfloat16", seed: int = 0,
                      log: Callable[[str], None] = print, sim_runs: int = 0, quick: bool = False,
                      store_dir: str | None = None, prefetch: int = 8,
-                     risk_quantile: float | None = None) -> list[dict]:
+                     risk_quantile: float | None = None, recency_boost: int = RECENCY_BOOST) -> list[dict]:
     """Run the bench; returns the rows (and writes ``json_path``).
 
-    ``prefetch`` and ``risk_quantile``: the loader's (and the replay's) settings, for measuring
-    their effect (see :class:`cachegen.stream.loader.StreamingLoader`).
+    ``prefetch``, ``risk_quantile`` and ``recency_boost``: the loader's (and the replay's) settings,
+    for measuring their effect (see :class:`cachegen.stream.loader.StreamingLoader`).
     ``runs``: wall-clock loads per method (through ``link``: ``inproc`` or ``netns``).
     ``sim_runs``: additional virtual-time loads per cachegen method (:mod:`cachegen.stream.sim`,
     rows with ``timing="virtual"``). ``quick``: a small configuration for ``cachegen bench all``
@@ -242,6 +242,7 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
         f"sizes L{levels[0]} {sum(c.sizes[levels[0]] for c in chunks) / 1e6:.2f} MB .. "
         f"L{levels[-1]} {sum(c.sizes[levels[-1]] for c in chunks) / 1e6:.2f} MB")
 
+    sim_chunks = with_recency_boost(chunks, recency_boost)
     all_methods = ["adaptive", "cachegen-rule", *[f"cachegen-L{l}" for l in levels],
                    *[k for k in stores if k != "cachegen"], "recompute"]
     methods = list(methods) if methods else all_methods
@@ -294,7 +295,8 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                 lk = ThrottledLink(tr) if netns is None else _netns_link(netns, tr)
                 loader = StreamingLoader(store, cdc, recompute, costs=costs, slo_s=slo, link=lk, policy=policy,
                                          estimator=est, levels=lv, reserve_s=reserve, values_per_token=vpt,
-                                         dtype=m.dtype, prefetch=prefetch, risk_quantile=risk_quantile)
+                                         dtype=m.dtype, prefetch=prefetch, risk_quantile=risk_quantile,
+                                         recency_boost=recency_boost)
                 t0 = time.perf_counter()
                 res = loader.load(ctx + tail, t0=t0)
                 out = continue_from(m, res.kv, tail)
@@ -316,7 +318,7 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                 ttfts, kls, misses, patterns = [], [], 0, []
                 for r in range(sim_runs):
                     tr = make_trace(trace, n_chunks, seed=seed + r, gbps=gbps)
-                    sr = simulate_load(chunks, tr, costs, slo, policy=policy, estimator=est, reserve_s=reserve,
+                    sr = simulate_load(sim_chunks, tr, costs, slo, policy=policy, estimator=est, reserve_s=reserve,
                                        allowed=lv, seed=seed + r, prefetch=prefetch, risk_quantile=risk_quantile)
                     ttft = plan_s + sr.load_s + tail_s
                     ttfts.append(ttft)
@@ -340,7 +342,7 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
         Path(json_path).write_text(json.dumps(
             {"rows": rows, "ratios": summary, "slo_s": slo, "slo_arg": slo_arg, "tail_prefill_s": tail_s,
              "reserve_s": reserve, "plan_s": plan_s, "costs": costs.to_json(), "dtype": dtype, "quick": quick,
-             "prefetch": prefetch, "risk_quantile": risk_quantile,
+             "prefetch": prefetch, "risk_quantile": risk_quantile, "recency_boost": recency_boost,
              "sizes_mb": {f"L{l}": sum(c.sizes[l] for c in chunks) / 1e6 for l in levels}}, indent=1))
     return rows
 
@@ -424,10 +426,12 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--risk-quantile", type=float, default=0.0,
                    help=f"risk planning: the adaptive plan must finish in time in this fraction of sampled "
                         f"futures (e.g. {RISK_QUANTILE}); default 0 = plan at the estimated rate alone")
+    p.add_argument("--recency-boost", type=int, default=RECENCY_BOOST,
+                   help=f"levels better for the last chunk in the adaptive plan (default {RECENCY_BOOST}; 0 = even plan)")
     p.set_defaults(func=lambda a: (run_stream_bench(
         a.model, a.trace, a.slo, a.runs, a.context_tokens, a.json, a.link, a.gbps,
         a.methods.split(",") if a.methods else None, a.dtype, sim_runs=a.sim_runs, quick=a.quick,
-        prefetch=a.prefetch, risk_quantile=a.risk_quantile or None) and 0))
+        prefetch=a.prefetch, risk_quantile=a.risk_quantile or None, recency_boost=a.recency_boost) and 0))
     return p
 
 

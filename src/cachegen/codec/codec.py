@@ -19,7 +19,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from cachegen.codec import quant, rans
+from cachegen.codec import importance, quant, rans
 from cachegen.codec.container import (
     FORMAT_VERSION,
     ChunkHeader,
@@ -29,7 +29,7 @@ from cachegen.codec.container import (
     parse_header,
     section_bytes,
 )
-from cachegen.codec.profile import PRECISION, Profile, calibrate
+from cachegen.codec.profile import PRECISION, TABLE_PAD, Profile, calibrate
 from cachegen.codec.transform import forward_section, inverse_section
 from cachegen.errors import CodecError, ConfigError, CorruptChunk, ProfileMismatch
 from cachegen.kv import KVCache, KVLayer
@@ -110,9 +110,11 @@ class Codec:
                     raise CodecError("lossy levels need finite values (use level 0 for NaN/inf)")
             sink = max(0, min(kv.num_tokens, prof.n_sink - kv.start))
             lp = prof.levels[level]
-            tables, cls = lp.tables(), lp.classes(prof.sections)
-            jobs = [(x, prof.sections[i], lp.steps[i], cls[i], tables, sink, kv.start) for i, x in enumerate(xs)]
-            bodies = list(self._map(_encode_lossy, jobs))
+            tables, cls = lp.padded_tables(), lp.classes(prof.sections)
+            u_tables = prof.u_tables() if prof.u_freqs is not None else None
+            jobs = [(kv.layers[li], prof.sections[2 * li : 2 * li + 2], lp.steps[2 * li : 2 * li + 2], cls[2 * li : 2 * li + 2],
+                     tables, u_tables, sink, kv.start) for li in range(len(kv.layers))]
+            bodies = [b for pair in self._map(_encode_layer, jobs) for b in pair]
         secs = ([inline] if inline is not None else []) + bodies
         h = ChunkHeader(
             FORMAT_VERSION, self.model_fingerprint, pid, level, kv.start, kv.num_tokens, dtype, layers, sink,
@@ -195,22 +197,33 @@ def quant_levels() -> tuple[int, ...]:
 # -- section bodies ---------------------------------------------------------------
 
 
-def _encode_lossy(job) -> bytes:
-    x, sp, step, cls, tables, sink, start = job
-    h, t, d = x.shape
+def _encode_layer(job) -> tuple[bytes, bytes]:
+    """Both sections of one layer (the token-importance predictor reads the layer's keys and values)."""
+    layer, sps, steps, clss, tables, u_tables, sink, start = job
+    xs = (layer.k, layer.v)
+    ys = [forward_section(sp, x[:, sink:], start + sink) for sp, x in zip(sps, xs)]
+    n = ys[0].shape[0]
+    us = importance.layer_multipliers([sp.imp for sp in sps], ys[0], ys[1], sps[0].heads, start + sink + np.arange(n))
+    out = []
+    for x, y, u, sp, step, cls in zip(xs, ys, us, sps, steps, clss):
+        out.append(_encode_section(x, y, u, sp.imp is not None and n > 0, step, cls, tables, u_tables, sink))
+    return out[0], out[1]
+
+
+def _encode_section(x: torch.Tensor, y: np.ndarray, u: np.ndarray, send_u: bool, step: np.ndarray, cls: np.ndarray,
+                    tables: rans.Tables, u_tables: rans.Tables | None, sink: int) -> bytes:
     sink_raw = _bytes_view(x[:, :sink]).tobytes() if sink else b""
-    y = forward_section(sp, x[:, sink:], start + sink)
     sym = np.empty(y.shape, dtype=np.uint8)
     esc = np.empty(y.size + 1, dtype=np.int32)
-    n_esc = quant.quantize(y, (np.float32(1.0) / step).astype(np.float32), cls, tables.freq, sym, esc)
-    words = rans.encode_interleaved(sym, cls, tables)
-    return b"".join(
-        [
-            struct.pack("<I", len(sink_raw)), sink_raw,
-            struct.pack("<I", n_esc), esc[:n_esc].astype("<i4").tobytes(),
-            words.astype("<u2").tobytes(),
-        ]
-    )
+    inv_step = (np.float32(1.0) / step).astype(np.float32)
+    n_esc = quant.quantize(y, inv_step, 1.0 / importance.row_scale(u), cls + TABLE_PAD, -u, tables.freq, sym, esc)
+    words = rans.encode_interleaved(sym, cls + TABLE_PAD, tables, row_shift=-u)
+    parts = [struct.pack("<I", len(sink_raw)), sink_raw, struct.pack("<I", n_esc), esc[:n_esc].astype("<i4").tobytes()]
+    if send_u:
+        uw = rans.encode_interleaved((u - importance.U_MIN).astype(np.uint8)[:, None], np.zeros(1, dtype=np.int64), u_tables)
+        parts += [struct.pack("<I", uw.size), uw.astype("<u2").tobytes()]
+    parts.append(words.astype("<u2").tobytes())
+    return b"".join(parts)
 
 
 def _lossless_tables(plane: np.ndarray) -> np.ndarray:
@@ -268,7 +281,7 @@ def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, pr
     r = Reader(mv, f"section {i}")
     sp = prof.sections[i]
     lp = prof.levels[h.level]
-    tables, cls = lp.tables(), lp.classes(prof.sections)[i]
+    tables, cls = lp.padded_tables(), lp.classes(prof.sections)[i]
     sink = h.sink_tokens
     t, c = h.num_tokens - sink, heads * d
     itemsize = torch.empty((), dtype=h.dtype).element_size()
@@ -281,14 +294,25 @@ def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, pr
         raise CorruptChunk(f"section {i}: escape count out of range")
     esc = np.zeros(n_esc + 1, dtype=np.int32)
     esc[:n_esc] = np.frombuffer(r.take(4 * n_esc), dtype="<i4")
+    u = np.zeros(t, dtype=np.int64)
+    if sp.imp is not None and t:
+        u_tables = prof.u_tables()
+        nu = r.u32()
+        if 2 * nu > len(mv) - r.p:
+            raise CorruptChunk(f"section {i}: multiplier stream longer than the section")
+        uw = np.frombuffer(r.take(2 * nu), dtype="<u2")
+        _check_budget(t, 1, uw.size, u_tables, f"section {i} multipliers")
+        u = rans.decode_interleaved(uw, t, np.zeros(1, dtype=np.int64), u_tables)[:, 0].astype(np.int64) + importance.U_MIN
+        if u.max() > importance.U_MAX:
+            raise CorruptChunk(f"section {i}: multiplier out of range")
     wb = r.rest()
     if len(wb) % 2:
         raise CorruptChunk(f"section {i}: odd word payload")
     words = np.frombuffer(wb, dtype="<u2")
     _check_budget(t, c, words.size, tables, f"section {i}")
-    sym = rans.decode_interleaved(words, t, cls, tables)
+    sym = rans.decode_interleaved(words, t, cls + TABLE_PAD, tables, row_shift=-u)
     y = np.empty((t, c), dtype=np.float32)
-    used = quant.dequantize(sym, lp.steps[i], esc, n_esc, y)
+    used = quant.dequantize(sym, lp.steps[i], importance.row_scale(u), esc, n_esc, y)
     if used != n_esc:
         raise CorruptChunk(f"section {i}: {used} escapes in the stream, {n_esc} stored")
     x = inverse_section(sp, y, heads, d, h.dtype, h.start + sink)

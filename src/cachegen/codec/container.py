@@ -27,7 +27,7 @@ from cachegen.errors import CorruptChunk, FormatVersionError
 from cachegen.kv import LayerKind
 
 MAGIC = b"CGKC"
-FORMAT_VERSION = 2  # 2: lossy sections are one interleaved rANS stream (16 shared states)
+FORMAT_VERSION = 3  # 2: lossy sections are one interleaved rANS stream (16 shared states); 3: + per-token step multipliers
 FLAG_INLINE_PROFILE = 1
 
 DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}

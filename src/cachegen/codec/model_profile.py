@@ -18,10 +18,11 @@ import torch
 from cachegen import paths
 from cachegen.codec.profile import KL_TARGETS, LEVELS, Profile, calibrate
 from cachegen.codec.rope import RopeSpec
-from cachegen.codec.sensitivity import fisher_matrices
+from cachegen.codec.sensitivity import fisher_matrices, token_sensitivity
 from cachegen.engine.hf_cache import from_transformers, recording_cache
 
-CALIBRATION_VERSION = 4  # 2: pydoc-calib, per-component Fisher over several contexts; 3: pre-RoPE keys; 4: the "calib" mix
+CALIBRATION_VERSION = 5  # 2: pydoc-calib, per-component Fisher over several contexts; 3: pre-RoPE keys; 4: the "calib" mix;
+# 5: token importance
 # Measured correction of the Fisher KL prediction (see docs/codec.md); scales every level's target.
 KL_SCALE = 1.0
 
@@ -114,6 +115,10 @@ def calibrate_for_model(
     use_pca: bool = True,
     kl_scale: float = KL_SCALE,
     pre_rope: bool = True,
+    importance_context: int = 2048,
+    importance_cont: int = 256,
+    n_importance: int = 2,
+    importance_samples: int = 1,
 ) -> Profile:
     """Profile for ``loaded_model`` (an engine ``LoadedModel``) from calibration ``texts``."""
     model, tok = loaded_model.model, loaded_model.tokenizer
@@ -135,9 +140,19 @@ def calibrate_for_model(
     pairs = [(ids[f0 + j * span : f0 + j * span + fisher_context], ids[f0 + j * span + fisher_context : f0 + (j + 1) * span]) for j in range(n_f)]
     rope = rope_specs(model) if pre_rope else None
     sens = fisher_matrices(model, pairs, samples=fisher_samples, rope=rope)
-    meta = {"calibration": "calib" if not texts else "custom", "sample_tokens": sample_tokens, "n_samples": n_samples, "n_fisher": n_f}
+    # token importance: long contexts (position and distance effects as in use), after the Fisher text
+    ispan = importance_context + importance_cont
+    i0 = f0 + n_f * span
+    if ids.numel() < i0 + ispan:
+        i0 = 0
+    n_i = min(n_importance, (ids.numel() - i0) // ispan) if n_importance > 0 else 0
+    ipairs = [(ids[i0 + j * ispan : i0 + j * ispan + importance_context], ids[i0 + j * ispan + importance_context : i0 + (j + 1) * ispan])
+              for j in range(n_i)]
+    idata = token_sensitivity(model, ipairs, samples=importance_samples) if ipairs else None
+    meta = {"calibration": "calib" if not texts else "custom", "sample_tokens": sample_tokens, "n_samples": n_samples, "n_fisher": n_f,
+            "n_importance": n_i}
     return calibrate(samples, loaded_model.fingerprint, use_pca=use_pca, sensitivity=sens, kl_scale=kl_scale, meta=meta,
-                     rope=rope)
+                     rope=rope, importance_data=idata)
 
 
 def load_or_calibrate(loaded_model, refresh: bool = False) -> Profile:

@@ -27,14 +27,17 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cachegen.codec import quant
+from cachegen.codec import importance, quant
+from cachegen.codec.importance import ImportanceModel
 from cachegen.codec.rans import Categorical, Tables
 from cachegen.codec.rope import RopeSpec, unrope
 from cachegen.errors import CodecError, ConfigError, CorruptChunk, FormatVersionError
 from cachegen.kv import KVCache
 
 PROFILE_MAGIC = b"CGPF"
-PROFILE_VERSION = 3  # 2: optional per-section inverse (Fisher-weighted basis); 3: optional RoPE undo per key section
+PROFILE_VERSION = 4  # 2: optional per-section inverse (Fisher-weighted basis); 3: optional RoPE undo per key section;
+# 4: optional token-importance predictor per section and the table of its multipliers
+TABLE_PAD = max(-importance.U_MIN, importance.U_MAX)  # extra tables each side: a row shift never leaves the range
 PRECISION = 12
 DEFAULT_SINK = 4
 LEVELS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
@@ -63,6 +66,7 @@ class SectionParams:
     basis: np.ndarray | None = None  # (heads, dim, dim) float32, or None (identity)
     inv: np.ndarray | None = None  # (heads, dim, dim) float32 inverse of basis, or None (basis orthonormal)
     rope: RopeSpec | None = None  # keys: undo this rotary embedding first (positions from the chunk)
+    imp: ImportanceModel | None = None  # per-token step multipliers (predicted by the encoder, sent in the chunk)
 
 
 @dataclass
@@ -71,6 +75,7 @@ class LevelParams:
     freqs: np.ndarray  # (N_CLASSES, ALPHABET) int64, sum 2**PRECISION each
     _tables: Tables | None = field(default=None, repr=False, compare=False)
     _cls: list[np.ndarray] | None = field(default=None, repr=False, compare=False)
+    _padded: Tables | None = field(default=None, repr=False, compare=False)
 
     def tables(self) -> Tables:
         if self._tables is None:
@@ -82,6 +87,16 @@ class LevelParams:
             self._cls = [quant.classes_for(s.std, st) for s, st in zip(sections, self.steps)]
         return self._cls
 
+    def padded_tables(self) -> Tables:
+        """The tables with :data:`TABLE_PAD` copies of the first and last one on either side:
+        component class ``k`` is table ``k + TABLE_PAD``, and a row whose step is scaled by
+        ``2^(u/2)`` shifts it by ``-u`` (half an octave per class) without leaving the range."""
+        if self._padded is None:
+            n = len(self.freqs)
+            rows = [self.freqs[min(max(k - TABLE_PAD, 0), n - 1)] for k in range(n + 2 * TABLE_PAD)]
+            self._padded = Tables.build([Categorical(f, PRECISION) for f in rows])
+        return self._padded
+
 
 @dataclass
 class Profile:
@@ -91,8 +106,18 @@ class Profile:
     levels: dict[int, LevelParams]
     n_sink: int = DEFAULT_SINK
     meta: dict = field(default_factory=dict)
+    u_freqs: np.ndarray | None = None  # (N_U,) int64: table of the per-token multipliers (with importance)
     _bytes: bytes | None = field(default=None, repr=False, compare=False)
     _id: str | None = field(default=None, repr=False, compare=False)
+    _u_tables: Tables | None = field(default=None, repr=False, compare=False)
+
+    def u_tables(self) -> Tables:
+        """The rANS table of per-token multiplier symbols ``u - U_MIN``."""
+        if self._u_tables is None:
+            if self.u_freqs is None:
+                raise CodecError("profile has no token-importance table")
+            self._u_tables = Tables.build([Categorical(self.u_freqs, PRECISION)])
+        return self._u_tables
 
     # -- identity --------------------------------------------------------------
     @property
@@ -120,6 +145,11 @@ class Profile:
                     arrays.append((f"inv/{i}", s.inv.astype("<f4")))
             if s.rope is not None:
                 arrays.append((f"rope/{i}", s.rope.to_array().astype("<f4")))
+            if s.imp is not None:
+                arrays.append((f"imp/{i}", s.imp.weights.astype("<f4")))
+                arrays.append((f"impoff/{i}", np.array([s.imp.offset], dtype="<f4")))
+        if self.u_freqs is not None:
+            arrays.append(("ufreqs", self.u_freqs.astype("<u2")))
         for lv in sorted(self.levels):
             p = self.levels[lv]
             arrays.append((f"freqs/{lv}", p.freqs.astype("<u2")))
@@ -190,7 +220,21 @@ class Profile:
                     if rope_a.ndim != 1 or not 2 <= rope_a.shape[0] <= d // 2 + 1 or not np.isfinite(rope_a).all() or not 1e-3 <= rope_a[-1] <= 1e3:
                         raise CorruptChunk(f"profile section {i} has an invalid rotary spec")
                     spec = RopeSpec.from_array(rope_a)
-                sections.append(SectionParams(h, d, mean, std, basis, inv, spec))
+                imp = None
+                if f"imp/{i}" in arrays:
+                    w, off = arrays[f"imp/{i}"], arrays.get(f"impoff/{i}")
+                    f = dims[i // 2][1] + dims[i // 2][2] + importance.N_EXTRA + 1
+                    if w.shape != (h, f) or off is None or off.shape != (1,) or not (np.isfinite(w).all() and np.isfinite(off).all()):
+                        raise CorruptChunk(f"profile section {i} has an invalid importance model")
+                    imp = ImportanceModel(w, float(off[0]))
+                sections.append(SectionParams(h, d, mean, std, basis, inv, spec, imp))
+            u_freqs = arrays.get("ufreqs")
+            if u_freqs is not None:
+                u_freqs = u_freqs.astype(np.int64)
+                if u_freqs.shape != (importance.N_U,) or int(u_freqs.sum()) != 1 << PRECISION or (u_freqs < 1).any():
+                    raise CorruptChunk("profile multiplier table invalid")
+            if any(sp.imp is not None for sp in sections) and u_freqs is None:
+                raise CorruptChunk("profile has importance models without a multiplier table")
             levels = {}
             for lv in hdr["levels"]:
                 lv = int(lv)
@@ -202,7 +246,8 @@ class Profile:
                     if st.shape != s.mean.shape or not (np.isfinite(st).all() and (st > 0).all()):
                         raise CorruptChunk(f"profile level {lv} steps invalid")
                 levels[lv] = LevelParams(steps, freqs)
-            prof = cls(str(hdr["model_fingerprint"]), dims, sections, levels, int(hdr["n_sink"]), dict(hdr.get("meta") or {}))
+            prof = cls(str(hdr["model_fingerprint"]), dims, sections, levels, int(hdr["n_sink"]), dict(hdr.get("meta") or {}),
+                       u_freqs)
             if not (0 <= prof.n_sink <= 1 << 16):
                 raise CorruptChunk("profile sink count invalid")
         except CorruptChunk:
@@ -391,6 +436,7 @@ def calibrate(
     weighted_basis: bool = False,
     fisher_ridge: float = 0.05,
     rope: Sequence[RopeSpec | None] | None = None,
+    importance_data: Sequence[tuple[KVCache, np.ndarray]] | None = None,
 ) -> Profile:
     """Build a :class:`Profile` from KV samples alone (no model needed).
 
@@ -399,6 +445,9 @@ def calibrate(
     without it steps are proportional to each section's RMS. ``rope`` (per layer, from
     :func:`cachegen.codec.model_profile.rope_specs`): key sections are modelled and coded
     before RoPE (the Fisher matrices must then be for pre-RoPE keys too).
+    ``importance_data``: (context KV, per-token Fisher traces (layers, 2, heads, tokens)) pairs
+    from :func:`cachegen.codec.sensitivity.token_sensitivity`; with them every section gets a
+    token-importance predictor (:mod:`cachegen.codec.importance`).
     """
     from cachegen.codec.transform import forward_section
 
@@ -432,21 +481,38 @@ def calibrate(
             std = x.std(dim=1).reshape(-1).numpy().astype(np.float32)
             basis = None
         sections.append(SectionParams(h, d, mean, np.maximum(std, 1e-20).astype(np.float32), basis, inv, spec))
+    if importance_data:
+        _fit_importance(sections, importance_data, n_sink)
     level_params = {}
     ys = [[forward_section(sections[i], *_nonsink(kv, i, n_sink)) for kv in samples] for i in range(len(sections))]
+    us = [[np.zeros(y.shape[0], dtype=np.int64) for y in ys[i]] for i in range(len(sections))]
+    u_freqs = None
+    if importance_data:
+        u_counts = np.ones(importance.N_U)
+        for li in range(len(dims)):
+            for j, kv in enumerate(samples):
+                start = _nonsink(kv, 2 * li, n_sink)[1]
+                f = importance.features(ys[2 * li][j], ys[2 * li + 1][j], dims[li][0], start + np.arange(ys[2 * li][j].shape[0]))
+                for i in (2 * li, 2 * li + 1):
+                    us[i][j] = importance.multipliers(sections[i].imp, f, f.shape[1])
+                    u_counts += np.bincount(us[i][j] - importance.U_MIN, minlength=importance.N_U)
+        from cachegen.codec.rans import quantize_counts
+
+        u_freqs = quantize_counts(u_counts, PRECISION)
     for lv in levels:
         if lv not in KL_TARGETS:
             raise ConfigError(f"unknown level {lv}")
         steps = section_steps(sections, lv, sensitivity, kl_scale)
         cls_ = [quant.classes_for(s.std, st) for s, st in zip(sections, steps)]
         counts = np.zeros((quant.N_CLASSES, quant.ALPHABET), dtype=np.float64)
-        allow = np.ones((quant.N_CLASSES, quant.ALPHABET), dtype=np.int64)  # count every symbol
+        allow = np.ones((quant.N_CLASSES + 2 * TABLE_PAD, quant.ALPHABET), dtype=np.int64)  # count every symbol
         for i in range(len(sections)):
-            for y in ys[i]:
+            for y, u in zip(ys[i], us[i]):
                 sym = np.empty(y.shape, dtype=np.uint8)
                 esc = np.empty(y.size + 1, dtype=np.int32)
-                quant.quantize(y, (1.0 / steps[i]).astype(np.float32), cls_[i], allow, sym, esc)
-                quant.histogram_classes(sym, cls_[i], counts)
+                quant.quantize(y, (1.0 / steps[i]).astype(np.float32), 1.0 / importance.row_scale(u), cls_[i] + TABLE_PAD,
+                               -u, allow, sym, esc)
+                quant.histogram_classes(sym, cls_[i], counts, -u)
         level_params[lv] = LevelParams(steps, quant.tables_from_counts(counts, PRECISION))
     m = dict(meta or {})
     m.setdefault("use_pca", use_pca)
@@ -457,4 +523,31 @@ def calibrate(
     m.setdefault("pre_rope_keys", any(sp.rope is not None for sp in sections))
     if m["weighted_basis"]:
         m.setdefault("fisher_ridge", fisher_ridge)
-    return Profile(model_fingerprint, dims, sections, level_params, n_sink, m)
+    m.setdefault("token_importance", u_freqs is not None)
+    return Profile(model_fingerprint, dims, sections, level_params, n_sink, m, u_freqs)
+
+
+def _fit_importance(sections: list[SectionParams], data: Sequence[tuple[KVCache, np.ndarray]], n_sink: int) -> None:
+    """Give every section a token-importance predictor fitted on ``data`` (see :func:`calibrate`
+    and :func:`cachegen.codec.importance.fit`)."""
+    from cachegen.codec.transform import forward_section
+
+    n_layers = len(sections) // 2
+    for li in range(n_layers):
+        feats, sk, sv = [], [], []
+        for kv, sens in data:
+            sens = np.asarray(sens, dtype=np.float64)
+            if sens.shape[:3] != (n_layers, 2, sections[2 * li].heads) or sens.shape[3] != kv.num_tokens:
+                raise ConfigError(f"token sensitivities of shape {sens.shape} do not fit the KV")
+            xk, start = _nonsink(kv, 2 * li, n_sink)
+            skip = start - kv.start
+            yk = forward_section(sections[2 * li], xk, start)
+            yv = forward_section(sections[2 * li + 1], *_nonsink(kv, 2 * li + 1, n_sink))
+            feats.append(importance.features(yk, yv, sections[2 * li].heads, start + np.arange(yk.shape[0])))
+            sk.append(sens[li, 0, :, skip:])
+            sv.append(sens[li, 1, :, skip:])
+        try:
+            sections[2 * li].imp = importance.fit(feats, sk)
+            sections[2 * li + 1].imp = importance.fit(feats, sv)
+        except ValueError as e:
+            raise ConfigError(f"token-importance calibration: {e}") from None

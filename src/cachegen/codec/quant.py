@@ -33,20 +33,24 @@ def classes_for(std: np.ndarray, step: np.ndarray) -> np.ndarray:
 
 
 @njit(nogil=True, cache=True)
-def quantize(y, inv_step, cls, freq, sym, esc):
-    """y (T, C) float32 -> sym (T, C) uint8; escaped integers go to ``esc``; returns the escape count."""
+def quantize(y, inv_step, row_inv, cls, row_shift, freq, sym, esc):
+    """y (T, C) float32 -> sym (T, C) uint8; escaped integers go to ``esc``; returns the escape count.
+
+    Value ``(t, c)`` has step ``1 / (inv_step[c] * row_inv[t])`` and table ``cls[c] + row_shift[t]``."""
     T = y.shape[0]
     C = y.shape[1]
     n = 0
     for t in range(T):
         row = y[t]
         out = sym[t]
+        ri = row_inv[t]
+        rs = row_shift[t]
         for c in range(C):
-            v = row[c] * inv_step[c]
+            v = row[c] * (inv_step[c] * ri)
             v = min(max(v, -1073741824.0), 1073741824.0)
             q = np.int64(np.floor(v + 0.5))
             s = q + 127
-            if s >= 0 and s < 255 and freq[cls[c], s] > 0:
+            if s >= 0 and s < 255 and freq[cls[c] + rs, s] > 0:
                 out[c] = np.uint8(s)
             else:
                 out[c] = np.uint8(255)
@@ -56,8 +60,9 @@ def quantize(y, inv_step, cls, freq, sym, esc):
 
 
 @njit(nogil=True, cache=True)
-def dequantize(sym, step, esc, n_esc, out):
-    """sym (T, C) uint8 -> out (T, C) float32; returns escapes consumed (must equal ``n_esc``).
+def dequantize(sym, step, row_mult, esc, n_esc, out):
+    """sym (T, C) uint8 -> out (T, C) float32 (value ``(t, c)`` has step ``step[c] * row_mult[t]``);
+    returns escapes consumed (must equal ``n_esc``).
 
     ``esc`` must hold at least one element more than ``n_esc`` (a pad), so hostile
     symbols can never read outside it."""
@@ -67,6 +72,7 @@ def dequantize(sym, step, esc, n_esc, out):
     for t in range(T):
         srow = sym[t]
         orow = out[t]
+        rm = row_mult[t]
         for c in range(C):
             s = np.int64(srow[c])
             if s == 255:
@@ -74,7 +80,7 @@ def dequantize(sym, step, esc, n_esc, out):
                 e += 1
             else:
                 q = s - 127
-            orow[c] = np.float32(q) * step[c]
+            orow[c] = np.float32(q) * (step[c] * rm)
     return e
 
 
@@ -90,11 +96,14 @@ def laplace_prior(ratio: float) -> np.ndarray:
     return out
 
 
-def histogram_classes(sym: np.ndarray, cls: np.ndarray, counts: np.ndarray) -> None:
-    """Accumulate ``counts[class, symbol]`` from sym (T, C) with per-column class ``cls``."""
-    for k in np.unique(cls):
-        cols = np.nonzero(cls == k)[0]
-        counts[k] += np.bincount(sym[:, cols].ravel(), minlength=ALPHABET)[:ALPHABET]
+def histogram_classes(sym: np.ndarray, cls: np.ndarray, counts: np.ndarray, row_shift: np.ndarray | None = None) -> None:
+    """Accumulate ``counts[class, symbol]`` from sym (T, C); the class of ``(t, c)`` is
+    ``cls[c] + row_shift[t]`` clipped to the table range."""
+    if row_shift is None:
+        row_shift = np.zeros(sym.shape[0], dtype=np.int64)
+    k2 = np.clip(cls[None, :] + row_shift[:, None], 0, N_CLASSES - 1)
+    idx = k2.ravel() * ALPHABET + sym.ravel().astype(np.int64)
+    counts += np.bincount(idx, minlength=N_CLASSES * ALPHABET).reshape(N_CLASSES, ALPHABET)
 
 
 def tables_from_counts(counts: np.ndarray, precision: int = 12, prior_weight: float = 0.002) -> np.ndarray:

@@ -333,10 +333,11 @@ LANES = 16
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def _encode_il_kernel(sym, tab_idx, fc, inv, prec, out):
+def _encode_il_kernel(sym, tab_idx, row_idx, fc, inv, prec, out):
     """Encode ``sym`` (n, S) backwards into the end of ``out``; returns (first word index, bad symbol count).
 
-    ``fc[k, y] = freq | cum << 16`` (one load per symbol for both), ``inv[k, y] = 1/freq``."""
+    ``fc[k, y] = freq | cum << 16`` (one load per symbol for both), ``inv[k, y] = 1/freq``; the
+    model of ``(t, c)`` is ``tab_idx[c] + row_idx[t]``."""
     n = sym.shape[0]
     S = sym.shape[1]
     nl = min(16, S)
@@ -352,9 +353,10 @@ def _encode_il_kernel(sym, tab_idx, fc, inv, prec, out):
     bad = 0
     for t in range(n - 1, -1, -1):
         row = sym[t]
+        ro = row_idx[t] * A
         for c in range(S - 1, -1, -1):
             j = c & 15
-            ix = tb[c] + np.int64(row[c])
+            ix = tb[c] + ro + np.int64(row[c])
             e = fcf[ix]
             f = e & 0xFFFF
             bad += f == 0
@@ -374,7 +376,7 @@ def _encode_il_kernel(sym, tab_idx, fc, inv, prec, out):
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def _decode_il_kernel_generic(words, tab_idx, freq, cum, lut, prec, out):
+def _decode_il_kernel_generic(words, tab_idx, row_idx, freq, cum, lut, prec, out):
     """:func:`~cachegen.codec._rans_lanes.decode_lanes` for any precision / alphabet (separate freq, cum and slot tables)."""
     n = out.shape[0]
     S = out.shape[1]
@@ -387,10 +389,11 @@ def _decode_il_kernel_generic(words, tab_idx, freq, cum, lut, prec, out):
     p = 2 * nl
     for t in range(n):
         row = out[t]
+        ro = row_idx[t]
         for c in range(S):
             j = c & 15
             x = states[j]
-            k = tab_idx[c]
+            k = tab_idx[c] + ro
             slot = x & mask
             y = lut[k, slot]
             yi = np.int64(y)
@@ -406,39 +409,57 @@ def _decode_il_kernel_generic(words, tab_idx, freq, cum, lut, prec, out):
     return bad
 
 
-def encode_interleaved(sym: np.ndarray, table_index: np.ndarray, tables: Tables) -> np.ndarray:
+def _table_indexes(n: int, S: int, table_index: np.ndarray, row_shift: np.ndarray | None, n_tables: int,
+                   err: type) -> tuple[np.ndarray, np.ndarray]:
+    """Split the models ``table_index[c] + row_shift[t]`` into non-negative column and row parts (checked)."""
+    table_index = np.ascontiguousarray(table_index, dtype=np.int64)
+    if table_index.shape != (S,):
+        raise err("need one table index per column")
+    if row_shift is None:
+        rows = np.zeros(n, dtype=np.int64)
+    else:
+        rows = np.ascontiguousarray(row_shift, dtype=np.int64)
+        if rows.shape != (n,):
+            raise err("need one row shift per row")
+    if n * S == 0:
+        return table_index, rows
+    lo = int(rows.min())
+    if int(table_index.min()) + lo < 0 or int(table_index.max()) + int(rows.max()) >= n_tables:
+        raise err("table index out of range")
+    return table_index + lo, rows - lo
+
+
+def encode_interleaved(sym: np.ndarray, table_index: np.ndarray, tables: Tables,
+                       row_shift: np.ndarray | None = None) -> np.ndarray:
     """Encode token-major ``sym`` (n, S) into one word stream (uint16): ``min(S, LANES)`` states, then words.
 
-    Column ``c`` uses model ``table_index[c]``. Empty input gives an empty stream."""
+    Symbol ``(t, c)`` uses model ``table_index[c] + row_shift[t]`` (``row_shift`` default 0: a
+    row-dependent shift lets a row quantized with a coarser step use the tables of a smaller
+    spread). Empty input gives an empty stream."""
     sym = np.ascontiguousarray(sym)
     if sym.ndim != 2:
         raise CodecError("symbols must be 2-D")
     n, S = sym.shape
-    table_index = np.ascontiguousarray(table_index, dtype=np.int64)
-    if table_index.shape != (S,):
-        raise CodecError("need one table index per column")
-    if S and (table_index.min() < 0 or table_index.max() >= tables.n_tables):
-        raise CodecError("table index out of range")
+    cols, rows = _table_indexes(n, S, table_index, row_shift, tables.n_tables, CodecError)
     if n * S == 0:
         return np.empty(0, dtype=np.uint16)
     if int(sym.max()) >= tables.alphabet_size:
         raise CodecError("symbol outside the alphabet")
     out = np.empty(n * S + 2 * LANES + 1, dtype=np.uint16)
     fc = tables.fc if tables.fc is not None else np.ascontiguousarray(tables.freq | (tables.cum << 16))
-    p, bad = _encode_il_kernel(sym, table_index, fc, tables.inv, tables.precision, out)
+    p, bad = _encode_il_kernel(sym, cols, rows, fc, tables.inv, tables.precision, out)
     if bad:
         raise CodecError("a symbol has probability 0 in its model")
     return out[p:]
 
 
-def decode_interleaved(words: np.ndarray, n: int, table_index: np.ndarray, tables: Tables, out: np.ndarray | None = None) -> np.ndarray:
+def decode_interleaved(words: np.ndarray, n: int, table_index: np.ndarray, tables: Tables, out: np.ndarray | None = None,
+                       row_shift: np.ndarray | None = None) -> np.ndarray:
     """Inverse of :func:`encode_interleaved` into token-major (n, S); CorruptChunk if the stream is inconsistent.
 
     Never reads outside ``words``; the caller bounds ``n`` against the payload size before allocating."""
-    table_index = np.ascontiguousarray(table_index, dtype=np.int64)
-    S = table_index.shape[0]
-    if S and (table_index.min() < 0 or table_index.max() >= tables.n_tables):
-        raise CorruptChunk("table index out of range")
+    S = np.asarray(table_index).shape[0]
+    cols, rows = _table_indexes(n, S, table_index, row_shift, tables.n_tables, CorruptChunk)
     if out is None:
         out = np.empty((n, S), dtype=tables.symbol_dtype)
     elif out.shape != (n, S) or out.dtype != tables.symbol_dtype:
@@ -455,10 +476,10 @@ def decode_interleaved(words: np.ndarray, n: int, table_index: np.ndarray, table
         padded[: words.size] = words
         if not out.flags.c_contiguous:
             raise CodecError("output buffer must be C-contiguous")
-        bad = decode_lanes(padded, words.size, table_index, tables.packed, tables.precision, out)
+        bad = decode_lanes(padded, words.size, cols, rows, tables.packed, tables.precision, out)
     else:
         words = np.ascontiguousarray(words, dtype=np.uint16)
-        bad = _decode_il_kernel_generic(words, table_index, tables.freq, tables.cum, tables.lut, tables.precision, out)
+        bad = _decode_il_kernel_generic(words, cols, rows, tables.freq, tables.cum, tables.lut, tables.precision, out)
     if bad:
         raise CorruptChunk("rANS stream did not end in the initial state")
     return out

@@ -77,3 +77,29 @@ def fisher_sensitivity(model, context_ids: torch.Tensor, cont_ids: torch.Tensor,
     if per_component:
         return mats, kv
     return [float(np.mean(np.diagonal(m, axis1=1, axis2=2))) for m in mats], kv
+
+
+def token_sensitivity(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], samples: int = 2,
+                      seed: int = 0) -> list[tuple[KVCache, np.ndarray]]:
+    """Per (context, continuation) pair: the context KV and its per-token Fisher traces
+    (layers, 2, heads, tokens) float64: ``sum over the head's dims of g^2``, averaged over
+    ``samples`` continuations sampled from the model (the training data of
+    :mod:`cachegen.codec.importance`). A trace is rotation invariant, so RoPE does not matter."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for context_ids, cont_ids in pairs:
+        kv = _context_kv(model, context_ids)
+        acc = None
+        for _ in range(samples):
+            leaves = [(l.k.clone().requires_grad_(True), l.v.clone().requires_grad_(True)) for l in kv.layers]
+            kv_g = KVCache([KVLayer(k, v, l.kind, l.window) for (k, v), l in zip(leaves, kv.layers)], start=0)
+            logits = model(input_ids=cont_ids[None], cache=to_transformers(kv_g, model.config), use_cache=True).logits[0]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            with torch.no_grad():
+                y = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
+            logp.gather(1, y[:, None]).sum().backward()
+            with torch.no_grad():
+                per = torch.stack([torch.stack([(k.grad.double() ** 2).sum(-1), (v.grad.double() ** 2).sum(-1)]) for k, v in leaves])
+            acc = per if acc is None else acc + per
+        out.append((kv, (acc / samples).numpy()))
+    return out

@@ -26,7 +26,8 @@ from cachegen.kv import KVCache
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import DirectLink
-from cachegen.stream.planner import RISK_QUANTILE, Choice, PlanChunk, decide
+from cachegen.stream.planner import (RECENCY_BOOST, RISK_QUANTILE, Choice, PlanChunk, decide, fetch_order,
+                                     with_recency_boost)
 
 Recompute = Callable[[Union[KVCache, None], list], KVCache]
 
@@ -113,14 +114,18 @@ class StreamingLoader:
     (8 chunks of 256 tokens at the best level are ~20 MB for SmolLM2). ``risk_quantile`` (off by
     default: measured not to pay on the random trace): the adaptive plan must finish by the
     deadline in this fraction of the futures drawn from the estimator's history (see
-    :func:`~cachegen.stream.planner.choose_adaptive`, docs/streaming.md).
+    :func:`~cachegen.stream.planner.choose_adaptive`, docs/streaming.md). ``recency_boost``: the
+    adaptive plan gives the last chunk (the one next to the prompt's uncached rest) this many
+    levels better than the others (:func:`~cachegen.stream.planner.with_recency_boost`) and is
+    fetched first (:func:`~cachegen.stream.planner.fetch_order`); 0 = an even plan, in order.
     """
 
     def __init__(self, store, codec, recompute: Recompute, costs: CostModel | None = None, slo_s: float | None = 1.0,
                  link=None, policy: Union[str, int] = ADAPTIVE, estimator: ThroughputEstimator | None = None,
                  levels: Sequence[int] | None = None, prefetch: int = 8, reserve_s: float = 0.0,
                  safety: float = 0.95, dtype: torch.dtype | None = None, values_per_token: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter, risk_quantile: float | None = None):
+                 clock: Callable[[], float] = time.perf_counter, risk_quantile: float | None = None,
+                 recency_boost: int = RECENCY_BOOST):
         if prefetch < 1:
             raise ConfigError("prefetch must be >= 1")
         if risk_quantile is not None and not 0.0 < risk_quantile < 1.0:
@@ -138,6 +143,7 @@ class StreamingLoader:
         self.reserve_s = reserve_s
         self.safety = safety
         self.risk_quantile = risk_quantile
+        self.recency_boost = max(0, int(recency_boost))
         self.dtype = dtype
         self.clock = clock
         self._values_per_token = values_per_token
@@ -153,18 +159,19 @@ class StreamingLoader:
                             (inf.ref.end - inf.ref.start) * (vpt or 0),
                             {l: s for l, s in inf.sizes.items() if self.levels is None or l in self.levels})
                   for inf in infos]
+        chunks = with_recency_boost(chunks, self.recency_boost)
         return infos, chunks
 
     _values_per_token: int | None = None  # learnt from the first decoded chunk
 
-    def _choose(self, i: int, chunks: list[PlanChunk], deadline: float, cpu_busy: float,
+    def _choose(self, remaining: list[PlanChunk], n_chunks: int, deadline: float, cpu_busy: float,
                 prev: Choice | None = None) -> tuple[Choice, float]:
         e = self.estimator
         g, last = e.estimate(), e.last()
-        share = max(self.slo_s - self.reserve_s, 0.0) / len(chunks) if self.slo_s is not None else None
-        choice = decide(self.policy, chunks[i:], self.costs,
+        share = max(self.slo_s - self.reserve_s, 0.0) / n_chunks if self.slo_s is not None else None
+        choice = decide(self.policy, remaining, self.costs,
                         time_left_s=None if self.slo_s is None else deadline - self.clock(), cpu_busy_s=cpu_busy,
-                        est_gbps=g, last_gbps=last, tail_gbps=e.harmonic_mean(), known=e.known,
+                        est_gbps=g, last_gbps=last, tail_gbps=e.tail_estimate(), known=e.known,
                         history_s_per_bit=e.s_per_bit_history() if self.risk_quantile else None,
                         risk_quantile=self.risk_quantile or RISK_QUANTILE, share_s=share,
                         prev=prev, allowed=self.levels, safety=self.safety)
@@ -228,19 +235,29 @@ class StreamingLoader:
                     continue
             return False
 
+        # the last chunk first; second when the estimator is cold: the first fetch is then a probe at
+        # the smallest level, which belongs on a chunk that matters little
+        order = fetch_order(chunks, self.policy == ADAPTIVE and self.recency_boost > 0, not self.estimator.known)
+        early = n - 1 if order != list(range(n)) else None  # the last chunk, fetched early
+
         def fetcher() -> None:
             try:
-                for i in range(n):
+                deferred = None
+                prev = None
+                for k, i in enumerate(order):
                     if stop.is_set():
                         return
-                    choice, est = self._choose(i, chunks, deadline, cpu_busy(), decisions[i - 1].choice if i else None)
+                    choice, est = self._choose([chunks[j] for j in order[k:]], n, deadline, cpu_busy(), prev)
+                    prev = choice
                     d = decisions[i]
                     d.choice, d.est_gbps = choice, est
                     if choice == TEXT:
                         d.reason = "not stored" if not chunks[i].sizes else "planned"
                         with self._cpu_lock:
                             cpu["queued"] += predicted(i, choice)
-                        if not put(("text", i, None)):
+                        if i == early:  # a recompute needs the chunks before it: do it last
+                            deferred = ("text", i, None)
+                        elif not put(("text", i, None)):
                             return
                         continue
                     ref = infos[i].ref
@@ -250,6 +267,8 @@ class StreamingLoader:
                     except FETCH_FAULTS as e:
                         d.fetch_end = self.clock() - t0
                         put(("fault", i, f"chunk {i} level {choice}: {type(e).__name__}: {e}"))
+                        if i == early:  # only that chunk is lost: recompute it last, fetch the rest
+                            continue
                         return
                     d.fetch_end = self.clock() - t0
                     d.fetch_s = d.fetch_end - d.fetch_start
@@ -259,22 +278,27 @@ class StreamingLoader:
                         cpu["queued"] += predicted(i, choice)
                     if not put(("data", i, data)):
                         return
+                if deferred is not None:
+                    put(deferred)
             except BaseException as e:  # a bug must not hang the consumer
                 put(("fault", -1, f"fetch thread: {type(e).__name__}: {e}"))
 
         th = threading.Thread(target=fetcher, name="cachegen-fetch", daemon=True)
         th.start()
-        parts: list[KVCache] = []
+        got: dict[int, KVCache] = {}
         fault_at: int | None = None
+        redo_early = False
         try:
-            for i in range(n):
-                kind, j, payload = q.get()
-                d = decisions[i]
+            for _ in range(n):
+                kind, i, payload = q.get()
                 if kind == "fault":
-                    fault_at = i
                     faults.append(payload)
+                    if i == early and early is not None:
+                        redo_early = True
+                        continue
+                    fault_at = min((j for j in range(n) if j not in got), default=n - 1) if i < 0 else i
                     break
-                assert j == i, (j, i)
+                d = decisions[i]
                 with self._cpu_lock:
                     cost = predicted(i, d.choice)
                     cpu["queued"] = max(cpu["queued"] - cost, 0.0)
@@ -283,23 +307,26 @@ class StreamingLoader:
                 ref = infos[i].ref
                 try:
                     if kind == "text":
-                        kv = self._recompute(parts, tokens[ref.start:ref.end])
+                        kv = self._recompute([got[j] for j in range(i)], tokens[ref.start:ref.end])
                     else:
                         kv = self.codec.decode(payload)
-                    self._check(kv, ref, parts[0] if parts else None)
+                    self._check(kv, ref, next(iter(got.values()), None))
                 except (CachegenError, ValueError, RuntimeError) as e:
                     if kind == "text":
                         raise
                     d.decode_end = self.clock() - t0
                     d.decode_s = d.decode_end - d.decode_start
-                    fault_at = i
                     faults.append(f"chunk {i} level {d.choice}: {type(e).__name__}: {e}")
+                    if i == early:
+                        redo_early = True
+                        continue
+                    fault_at = i
                     break
                 d.decode_end = self.clock() - t0
                 d.decode_s = d.decode_end - d.decode_start
                 if self._values_per_token is None and kv.num_tokens:
                     self._values_per_token = kv.num_values // kv.num_tokens
-                parts.append(kv)
+                got[i] = kv
         finally:
             stop.set()
             while True:  # unblock the fetcher
@@ -308,6 +335,9 @@ class StreamingLoader:
                 except queue.Empty:
                     break
             th.join(timeout=10)
+        if fault_at is None and redo_early:
+            fault_at = early
+        parts = [got[j] for j in range(fault_at if fault_at is not None else n)]
         if fault_at is not None:
             a = chunks[fault_at].start
             b = chunks[-1].start + chunks[-1].num_tokens
@@ -320,7 +350,7 @@ class StreamingLoader:
             for k in range(fault_at, n):
                 d = decisions[k]
                 d.choice, d.bytes = TEXT, 0
-                d.reason = "fault" if k == fault_at else "after fault"
+                d.reason = "fault" if k == fault_at or (k == early and redo_early) else "after fault"
                 d.decode_start, d.decode_end, d.decode_s = t - t0, t - t0 + dt, dt * chunks[k].num_tokens / (b - a)
         t = self.clock()
         full = self._stitch(parts)

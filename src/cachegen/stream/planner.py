@@ -31,6 +31,8 @@ Choice = Union[int, str]  # a level, or TEXT
 # by default). On the uniform 0.1-10 Gbps random trace with an 8-chunk prefetch queue it did not beat
 # planning at the estimated rate (docs/streaming.md), so the loader does not use it unless told.
 RISK_QUANTILE = 0.95
+RECENCY_BOOST = 2  # levels better for the last chunk of a load (see with_recency_boost)
+
 FUTURES = 256  # futures per decision (~1 ms for 16 chunks and 7 levels)
 RECENT = 5  # the estimator's window: a slowdown beyond the older history in it is a new regime
 MIN_HISTORY = 4  # fewer past fetches than this say too little about the spread
@@ -45,6 +47,51 @@ class PlanChunk:
     num_tokens: int
     num_values: int  # K and V values over all layers
     sizes: Mapping[int, int]  # payload bytes per stored level
+    boost: int = 0  # levels better than the even plan's (the chunk next to the prompt's uncached rest)
+
+
+def with_recency_boost(chunks: Sequence[PlanChunk], boost: int) -> list[PlanChunk]:
+    """The chunks with the last one marked to get ``boost`` levels better than the rest.
+
+    Why: the tokens right after the cached prefix attend to its end far more than to the rest,
+    so quantization noise costs most there: measured on SmolLM2 (4K context, bf16), the last of
+    16 chunks at the most aggressive level costs 12x the KL of the first or a middle one
+    (docs/streaming.md). With KL growing ~2.2x per level, 2-3 levels better for that one chunk
+    is about where its marginal KL per byte matches the others'."""
+    out = list(chunks)
+    if out and boost > 0:
+        c = out[-1]
+        out[-1] = PlanChunk(c.index, c.start, c.num_tokens, c.num_values, c.sizes, boost)
+    return out
+
+
+def fetch_order(chunks: Sequence[PlanChunk], last_first: bool, probe_first: bool = False) -> list[int]:
+    """Positions of ``chunks`` in the order to fetch them: with ``last_first`` (the adaptive loader
+    with a recency boost) the last chunk comes first, then the rest in order; with ``probe_first``
+    too (a cold estimator, whose first fetch is a probe at the smallest level) chunk 0 takes the
+    probe and the last chunk comes second.
+
+    Why: the last chunk is the one whose quality matters most (see :func:`with_recency_boost`), and
+    on a jittery link a slow fetch late in the load can leave it only the most aggressive level;
+    fetched first, it gets the whole deadline's slack and the chunks that matter less absorb the
+    surprises. Chunks decode independently, so only a recompute (which needs the chunks before
+    it) has to wait: the loader then recomputes the last chunk after the others."""
+    n = len(chunks)
+    if not (last_first and n >= 2 and chunks[-1].sizes):
+        return list(range(n))
+    if probe_first and n >= 3:
+        return [0, n - 1, *range(1, n - 1)]
+    return [n - 1, *range(n - 1)]
+
+
+def lift(chunk: PlanChunk, level: Choice, allowed: Sequence[int] | None = None) -> Choice:
+    """The level ``chunk`` takes when the plan's level is ``level`` (``chunk.boost`` better)."""
+    if chunk.boost <= 0 or level == TEXT:
+        return level
+    lv = options(chunk, allowed, text=False)
+    if level not in lv:
+        return level
+    return lv[max(0, lv.index(level) - chunk.boost)]
 
 
 @dataclass
@@ -113,10 +160,11 @@ def cheapest_tail(chunks: Sequence[PlanChunk], gbps: float, costs: CostModel, ne
 
 def tail_at(chunks: Sequence[PlanChunk], level: Choice, gbps: float, costs: CostModel, net: float, cpu: float,
             allowed: Sequence[int] | None = None) -> float:
-    """Compute end when every chunk takes ``level`` (a chunk without it: its fastest option)."""
+    """Compute end when every chunk takes ``level`` (a boosted chunk: its :func:`lift`; a chunk
+    without it: its fastest option)."""
     for ch in chunks:
         if level in ch.sizes or level == TEXT:
-            net, cpu = _step(net, cpu, ch, level, gbps, costs)
+            net, cpu = _step(net, cpu, ch, lift(ch, level, allowed), gbps, costs)
         else:
             net, cpu, _ = cheapest_tail([ch], gbps, costs, net, cpu, allowed)
     return cpu
@@ -184,18 +232,19 @@ def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostMode
     def fits(o: Choice, total: float) -> bool:
         if futures is None or not tail:
             return total <= budget
-        plan = [o, *[o if o in ch.sizes else f for ch, f in zip(tail, fast)]]
+        plan = [lift(head, o, allowed), *[lift(ch, o, allowed) if o in ch.sizes else f for ch, f in zip(tail, fast)]]
         return finish_quantile(remaining, plan, 1.0 / (gbps * 1e9), futures, costs, state, risk_quantile) <= budget
 
-    # 1. an even plan
+    # 1. an even plan (boosted chunks a few levels better)
     for o in levels:
-        total = tail_at(tail, o, tg, costs, *heads[o], allowed)
+        ho = lift(head, o, allowed)
+        total = tail_at(tail, o, tg, costs, *heads[ho], allowed)
         if fits(o, total):
-            if text_cpu <= heads[o][1]:
+            if text_cpu <= heads[ho][1]:
                 tt = tail_at(tail, o, tg, costs, text_net, text_cpu, allowed)
                 if tt <= budget:
                     return pred(TEXT, tt)
-            return pred(o, total)
+            return pred(ho, total)
     # 2. this chunk as good as possible, the rest as fast as possible
     fastest: list[Prediction] = []
     for o in [*levels, TEXT]:
@@ -274,5 +323,5 @@ def decide(policy: Union[str, int], remaining: Sequence[PlanChunk], costs: CostM
         recent, older = h[-RECENT:], h[:-RECENT]
         if older.size and recent.max() > older.max():
             futures *= max(1.0, (1.0 / (est_gbps * 1e9)) / h.mean())
-    return choose_adaptive(remaining, est_gbps, costs, st, allowed, tail_gbps=min(est_gbps, tail_gbps),
+    return choose_adaptive(remaining, est_gbps, costs, st, allowed, tail_gbps=tail_gbps,
                            safety=safety, futures=futures, risk_quantile=risk_quantile).choice

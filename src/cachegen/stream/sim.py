@@ -22,7 +22,7 @@ from typing import Callable, Sequence, Union
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import Trace
-from cachegen.stream.planner import RISK_QUANTILE, Choice, PlanChunk, decide
+from cachegen.stream.planner import RISK_QUANTILE, Choice, PlanChunk, decide, fetch_order
 
 
 @dataclass
@@ -43,7 +43,9 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
     """One load in virtual time. ``compute_s(i, choice)`` overrides the true compute seconds
     (default: the cost model's prediction times ``exp(N(0, cpu_noise))``). ``prefetch`` and
     ``risk_quantile`` as in :class:`~cachegen.stream.loader.StreamingLoader` (None: plan at the
-    estimated rate alone)."""
+    estimated rate alone). Chunks marked by :func:`~cachegen.stream.planner.with_recency_boost` make
+    the adaptive policy fetch the last chunk first, as the loader does; ``choices``, ``fetch_end`` and
+    ``compute_end`` are in chunk order."""
     est = estimator or ThroughputEstimator()
     rng = random.Random(seed)
     lat = costs.fetch_latency_s if latency_s is None else latency_s
@@ -60,28 +62,51 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
             return compute_s(i, c)
         return predicted(i, c) * math.exp(rng.gauss(0.0, cpu_noise)) if cpu_noise else predicted(i, c)
 
-    choices: list[Choice] = []
+    # fetch order as the loader's: the last chunk first when it is boosted and the estimator warm
+    order = fetch_order(chunks, policy == "adaptive" and any(c.boost > 0 for c in chunks), not est.known)
+    early = n - 1 if order != list(range(n)) else None
+    choice_of: dict[int, Choice] = {}
+    items: list[int] = []  # queue order of chunk positions
     fetch_end: list[float] = []
-    put_t: list[float] = []  # when chunk i entered the queue
+    put_t: list[float] = []  # when item k entered the queue
     take_t: list[float] = []  # when the compute stage took it
     comp_end: list[float] = []
     t = 0.0  # the fetch stage's clock
     net_free = 0.0
-    for i in range(n):
+    prev: Choice | None = None
+    deferred = False
+
+    def enqueue(i: int, done: float) -> None:
+        k = len(items)
+        items.append(i)
+        fetch_end.append(done)
+        # a queue of ``prefetch`` slots: the put completes once item k - prefetch has been taken
+        p = max(done, take_t[k - prefetch]) if k >= prefetch else done
+        put_t.append(p)
+        tk = max(p, comp_end[k - 1]) if k else p
+        take_t.append(tk)
+        comp_end.append(tk + true_compute(i, choice_of[i]))
+
+    for pos, i in enumerate(order):
         # cpu work committed at decision time: the item in progress (its predicted end) + queued items
         busy = 0.0
-        for j in range(i):
-            if take_t[j] <= t < comp_end[j]:
-                busy += max(take_t[j] + predicted(j, choices[j]) - t, 0.0)
-            elif put_t[j] <= t < take_t[j]:
-                busy += predicted(j, choices[j])
-        c = decide(policy, chunks[i:], costs, time_left_s=None if slo_s is None else deadline - t, cpu_busy_s=busy,
-                   est_gbps=est.estimate(), last_gbps=est.last(), tail_gbps=est.harmonic_mean(), known=est.known,
-                   history_s_per_bit=est.s_per_bit_history() if risk_quantile else None,
+        for k, j in enumerate(items):
+            if take_t[k] <= t < comp_end[k]:
+                busy += max(take_t[k] + predicted(j, choice_of[j]) - t, 0.0)
+            elif put_t[k] <= t < take_t[k]:
+                busy += predicted(j, choice_of[j])
+        if deferred:
+            busy += predicted(early, TEXT)
+        c = decide(policy, [chunks[j] for j in order[pos:]], costs, time_left_s=None if slo_s is None else deadline - t,
+                   cpu_busy_s=busy, est_gbps=est.estimate(), last_gbps=est.last(), tail_gbps=est.tail_estimate(),
+                   known=est.known, history_s_per_bit=est.s_per_bit_history() if risk_quantile else None,
                    risk_quantile=risk_quantile or RISK_QUANTILE,
-                   share_s=share, prev=choices[-1] if choices else None, allowed=allowed, safety=safety)
-        choices.append(c)
+                   share_s=share, prev=prev, allowed=allowed, safety=safety)
+        choice_of[i] = prev = c
         if c == TEXT:
+            if i == early:  # recomputed after the others (it needs them)
+                deferred = True
+                continue
             done = t
         else:
             nbytes = chunks[i].sizes[c]
@@ -93,13 +118,12 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
             done = start + dur
             net_free = done
             est.add(nbytes, done - t)
-        fetch_end.append(done)
-        # a queue of ``prefetch`` slots: the put completes once item i - prefetch has been taken
-        p = max(done, take_t[i - prefetch]) if i >= prefetch else done
-        put_t.append(p)
-        tk = max(p, comp_end[i - 1]) if i else p
-        take_t.append(tk)
-        comp_end.append(tk + true_compute(i, c))
-        t = p
-    load = comp_end[-1] if comp_end else 0.0
-    return SimResult(choices, load, load > deadline, fetch_end, comp_end)
+        enqueue(i, done)
+        t = put_t[-1]
+    if deferred:
+        enqueue(early, t)
+    choices = [choice_of[i] for i in range(n)]
+    load = max(comp_end) if comp_end else 0.0
+    order_fetch = {i: f for i, f in zip(items, fetch_end)}
+    order_comp = {i: e for i, e in zip(items, comp_end)}
+    return SimResult(choices, load, load > deadline, [order_fetch[i] for i in range(n)], [order_comp[i] for i in range(n)])
