@@ -132,7 +132,7 @@ def test_sim_random_trace_risk_planning_and_prefetch_lower_misses():
     cs = chunks()
     traces = [make_trace("random", 16, seed=s) for s in range(150)]
     med = statistics.median(g for t in traces for _, g in t.points)
-    slo = simulate(cs, [4] * 16, med, COSTS) + 0.05
+    slo = simulate(cs, [4] * 16, med, COSTS) + COSTS.stitch_s(sum(c.num_values for c in cs), 2) + 0.05
     miss = {}
     for name, kw_ in (("risk", {"risk_quantile": 0.85}), ("plain", {}), ("shallow", {"prefetch": 1, "risk_quantile": 0.85}),
                       ("rule", {})):

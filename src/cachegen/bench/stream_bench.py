@@ -76,7 +76,8 @@ SIM_METHODS = ("adaptive", "cachegen-rule")  # plus cachegen-L<n>: the ones the 
 
 
 def _slo_value(slo, chunks, levels, traces, costs, reserve: float, log, eight_bit_bytes: int | None = None) -> float:
-    """``auto``: every chunk at the median level at the traces' median bandwidth (+ reserve + 50 ms);
+    """``reserve``: what follows the load (stitch and tail prefill).
+    ``auto``: every chunk at the median level at the traces' median bandwidth (+ reserve + 50 ms);
     ``trace-auto``: every chunk at the median level at its own bandwidth in the trace (median over
     the traces; + reserve + 50 ms): for a step, whose median bandwidth no chunk sees;
     ``fastest[:M]``: every chunk at the most aggressive level at the median bandwidth, plus
@@ -234,9 +235,11 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
               for i in plan]
     slo_arg = slo
     u8 = stores.get("uniform8")
+    # what follows the last decode: joining the chunks (the loader keeps it back itself) and the tail prefill
+    stitch = costs.stitch_s(exact.num_values, m.dtype.itemsize)
     slo = _slo_value(slo, chunks, levels,
                      [make_trace(trace, n_chunks, seed=seed + s, gbps=gbps) for s in range(max(runs, sim_runs, 1))],
-                     costs, reserve, log,
+                     costs, reserve + stitch, log,
                      eight_bit_bytes=sum(sum(i.sizes.values()) for i in u8[0].plan(ctx)) if u8 else None)
     log(f"[stream] setup {time.perf_counter() - t_setup:.1f}s; {n_chunks} chunks, tail prefill {tail_s * 1000:.0f} ms, "
         f"sizes L{levels[0]} {sum(c.sizes[levels[0]] for c in chunks) / 1e6:.2f} MB .. "
@@ -319,7 +322,8 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                 for r in range(sim_runs):
                     tr = make_trace(trace, n_chunks, seed=seed + r, gbps=gbps)
                     sr = simulate_load(sim_chunks, tr, costs, slo, policy=policy, estimator=est, reserve_s=reserve,
-                                       allowed=lv, seed=seed + r, prefetch=prefetch, risk_quantile=risk_quantile)
+                                       allowed=lv, seed=seed + r, prefetch=prefetch, risk_quantile=risk_quantile,
+                                       itemsize=m.dtype.itemsize)
                     ttft = plan_s + sr.load_s + tail_s
                     ttfts.append(ttft)
                     misses += ttft > slo

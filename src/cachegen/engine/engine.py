@@ -140,19 +140,11 @@ class Engine:
     def loader(self, slo_s: float | None = None, link=None, policy=ADAPTIVE, reserve_s: float = 0.0) -> StreamingLoader:
         return StreamingLoader(self.store, self.codec, self.recompute, costs=self.costs(), slo_s=slo_s, link=link,
                                policy=policy, levels=self.store.levels, reserve_s=reserve_s, dtype=self.model.dtype,
-                               estimator=self.estimator)
-
-    STITCH_BYTES_PER_S = 3e9  # joining the decoded chunks is a memory copy, ~3 GB/s here
-
-    def stitch_reserve_s(self, n_tokens: int) -> float:
-        """Time to keep back from the deadline for joining the chunks, which the planner does not model."""
-        nbytes = n_tokens * values_per_token(self.model.config) * self.model.dtype.itemsize
-        return nbytes / self.STITCH_BYTES_PER_S
+                               estimator=self.estimator, values_per_token=values_per_token(self.model.config))
 
     def load(self, context_ids: Sequence[int], slo_s: float | None = None, link=None, policy=ADAPTIVE) -> LoadResult:
         """The KV of the cached prefix of ``context_ids`` (the loader recomputes on any fault)."""
-        reserve = self.stitch_reserve_s(len(context_ids))
-        return self.loader(slo_s, link, policy, reserve_s=reserve).load(list(context_ids))
+        return self.loader(slo_s, link, policy).load(list(context_ids))
 
     def generate(self, context_ids: Sequence[int], question_ids: Sequence[int], max_new_tokens: int = 16,
                  use_cache: bool = True, slo_s: float | None = None, link=None, policy=ADAPTIVE) -> Generation:

@@ -67,12 +67,19 @@ def spawn(*args) -> subprocess.Popen:
 def ingest_twice(url: str, tmp_path: Path) -> None:
     go = tmp_path / "go"
     procs = [spawn("ingest", url, go) for _ in range(2)]
-    for p in procs:
-        assert p.stdout.readline().strip() == "ready", p.stderr.read()
-    go.touch()
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0 and "done" in out, err
+    try:
+        for p in procs:
+            line = p.stdout.readline().strip()
+            assert line == "ready", f"worker said {line!r}; stderr: {p.stderr.read() if p.poll() is not None else ''}"
+        go.touch()
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0 and "done" in out, err
+    finally:
+        for p in procs:  # never leave a worker waiting for ``go``
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def check_one_copy(url: str) -> None:
@@ -105,7 +112,10 @@ def ingest(url: str, go: str) -> None:
     cs = ContextStore(open_backend(url), NS, RawEncoder(), chunk_tokens=16)
     kv = ingest_kv()
     print("ready", flush=True)
+    give_up = time.monotonic() + 300
     while not Path(go).exists():
+        if time.monotonic() > give_up:
+            raise SystemExit("no go signal in 300 s")
         time.sleep(0.001)
     cs.put_context(INGEST_TOKENS, kv)
     print("done", flush=True)

@@ -33,6 +33,7 @@ class CostModel:
     recompute_s_per_token: float = 1.0e-3
     recompute_s_per_token_ctx: float = 2.0e-7
     fetch_latency_s: float = 0.001  # per request, on top of bytes / bandwidth
+    stitch_bytes_per_s: float = 1.5e9  # joining the decoded chunks into one cache: a memory copy
     source: str = "defaults"
 
     # -- predictions ---------------------------------------------------------
@@ -46,6 +47,10 @@ class CostModel:
         return self.recompute_fixed_s + n_tokens * (
             self.recompute_s_per_token + self.recompute_s_per_token_ctx * (prefix_tokens + n_tokens / 2)
         )
+
+    def stitch_s(self, num_values: int, itemsize: int) -> float:
+        """Joining ``num_values`` decoded values into one cache (after the last chunk's decode)."""
+        return num_values * itemsize / self.stitch_bytes_per_s
 
     def fetch_s(self, nbytes: int, gbps: float) -> float:
         if gbps <= 0:
@@ -96,6 +101,7 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
 # fetched moments ago, cold caches, the fetch thread running): measured 20-28 ms against 15 ms
 # for a 256-token SmolLM2 chunk. With 15% headroom the demo missed its 2 s deadline by 20 ms.
 DECODE_HEADROOM = 1.5
+STITCH_HEADROOM = 2.0
 
 
 def calibrate_decode(codec, sample: KVCache, levels: Sequence[int], repeats: int = 2,
@@ -108,6 +114,13 @@ def calibrate_decode(codec, sample: KVCache, levels: Sequence[int], repeats: int
         codec.decode(blob)  # warm-up (JIT, caches)
         t = best_time(lambda: codec.decode(blob), repeats)
         cm.decode_s_per_mvalue[int(level)] = max(t - cm.decode_fixed_s, 0.0) / mv * DECODE_HEADROOM
+    # joining chunks: a copy of the whole context, slower in the loader than alone (cold caches,
+    # allocation); the slowest of a few joins of 8 chunks, halved (measured in the demo: 22-53 ms
+    # for 93 MB, 1.7-4.2 GB/s)
+    parts = [KVCache(sample.layers, start=i * sample.num_tokens) for i in range(8)]
+    worst = max(best_time(lambda: KVCache.concat(parts), 1) for _ in range(3))
+    nbytes = 8 * sample.num_values * sample.dtype.itemsize
+    cm.stitch_bytes_per_s = nbytes / max(worst, 1e-6) / STITCH_HEADROOM
     cm.source = "calibrated"
     return cm
 

@@ -207,7 +207,10 @@ class StreamingLoader:
         if not chunks:
             res.load_s = self.clock() - t0
             return res
-        deadline = t0 + (slo - self.reserve_s if slo is not None else float("inf"))
+        # the stitch after the last decode is part of the load: keep its time back too
+        itemsize = self.dtype.itemsize if self.dtype is not None else 2
+        stitch = self.costs.stitch_s(sum(c.num_values for c in chunks), itemsize)
+        deadline = t0 + (slo - self.reserve_s - stitch if slo is not None else float("inf"))
         n = len(chunks)
         decisions = [ChunkDecision(c.index, c.start, c.start + c.num_tokens, TEXT) for c in chunks]
         q: "queue.Queue" = queue.Queue(maxsize=self.prefetch)

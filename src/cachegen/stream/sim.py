@@ -28,7 +28,7 @@ from cachegen.stream.planner import RISK_QUANTILE, Choice, PlanChunk, decide, fe
 @dataclass
 class SimResult:
     choices: list[Choice]
-    load_s: float  # virtual seconds from the start to the last chunk's compute end
+    load_s: float  # virtual seconds from the start to the last chunk's compute end, plus the stitch
     missed: bool
     fetch_end: list[float] = field(default_factory=list)
     compute_end: list[float] = field(default_factory=list)
@@ -39,17 +39,19 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
                   reserve_s: float = 0.0, allowed: Sequence[int] | None = None, safety: float = 0.95,
                   latency_s: float | None = None, cpu_noise: float = 0.2, seed: int = 0,
                   compute_s: Callable[[int, Choice], float] | None = None, prefetch: int = 8,
-                  risk_quantile: float | None = None) -> SimResult:
+                  risk_quantile: float | None = None, itemsize: int = 2) -> SimResult:
     """One load in virtual time. ``compute_s(i, choice)`` overrides the true compute seconds
     (default: the cost model's prediction times ``exp(N(0, cpu_noise))``). ``prefetch`` and
     ``risk_quantile`` as in :class:`~cachegen.stream.loader.StreamingLoader` (None: plan at the
     estimated rate alone). Chunks marked by :func:`~cachegen.stream.planner.with_recency_boost` make
     the adaptive policy fetch the last chunk first, as the loader does; ``choices``, ``fetch_end`` and
-    ``compute_end`` are in chunk order."""
+    ``compute_end`` are in chunk order. The stitch after the last decode takes ``costs.stitch_s``
+    of the chunks' values at ``itemsize`` bytes each."""
     est = estimator or ThroughputEstimator()
     rng = random.Random(seed)
     lat = costs.fetch_latency_s if latency_s is None else latency_s
-    deadline = (slo_s - reserve_s) if slo_s is not None else math.inf
+    stitch = costs.stitch_s(sum(c.num_values for c in chunks), itemsize)  # as the loader keeps it back
+    deadline = (slo_s - reserve_s - stitch) if slo_s is not None else math.inf
     n = len(chunks)
     share = max(slo_s - reserve_s, 0.0) / n if slo_s is not None and n else None
 
@@ -123,7 +125,7 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
     if deferred:
         enqueue(early, t)
     choices = [choice_of[i] for i in range(n)]
-    load = max(comp_end) if comp_end else 0.0
+    load = (max(comp_end) + stitch) if comp_end else 0.0
     order_fetch = {i: f for i, f in zip(items, fetch_end)}
     order_comp = {i: e for i, e in zip(items, comp_end)}
-    return SimResult(choices, load, load > deadline, [order_fetch[i] for i in range(n)], [order_comp[i] for i in range(n)])
+    return SimResult(choices, load, load > deadline + stitch, [order_fetch[i] for i in range(n)], [order_comp[i] for i in range(n)])
