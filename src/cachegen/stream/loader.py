@@ -167,7 +167,10 @@ class StreamingLoader:
     def _choose(self, remaining: list[PlanChunk], n_chunks: int, deadline: float, cpu_busy: float,
                 prev: Choice | None = None) -> tuple[Choice, float]:
         e = self.estimator
-        g, last = e.estimate(), e.last()
+        # the first fetch of a load: the latest sample is from an earlier load, maybe long ago; one
+        # slow sample there should not set this load's most important chunk (fetched first)
+        first = len(remaining) == n_chunks
+        g, last = (e.tail_estimate() if first else e.estimate()), e.last()
         share = max(self.slo_s - self.reserve_s, 0.0) / n_chunks if self.slo_s is not None else None
         choice = decide(self.policy, remaining, self.costs,
                         time_left_s=None if self.slo_s is None else deadline - self.clock(), cpu_busy_s=cpu_busy,

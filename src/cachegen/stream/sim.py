@@ -100,7 +100,8 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
         if deferred:
             busy += predicted(early, TEXT)
         c = decide(policy, [chunks[j] for j in order[pos:]], costs, time_left_s=None if slo_s is None else deadline - t,
-                   cpu_busy_s=busy, est_gbps=est.estimate(), last_gbps=est.last(), tail_gbps=est.tail_estimate(),
+                   cpu_busy_s=busy, est_gbps=est.tail_estimate() if pos == 0 else est.estimate(), last_gbps=est.last(),
+                   tail_gbps=est.tail_estimate(),
                    known=est.known, history_s_per_bit=est.s_per_bit_history() if risk_quantile else None,
                    risk_quantile=risk_quantile or RISK_QUANTILE,
                    share_s=share, prev=prev, allowed=allowed, safety=safety)
