@@ -95,7 +95,9 @@ def test_importance_fit_learns_planted_sensitivity():
     ys = [forward_section(prof.sections[i], x[:, sink:], sink) for i, x in enumerate((kv.layers[0].k, kv.layers[0].v))]
     f = importance.features(ys[0], ys[1], 2, np.arange(sink, 400))
     r = sens[0, 0, :, sink:].sum(axis=0)
-    ratio = (r * 2.0 ** importance.multipliers(prof.sections[0].imp, f, 400 - sink)).sum() / r.sum()
+    u = importance.to_u(prof.sections[0].imp.log_sensitivity(f))
+    assert np.array_equal(u, importance.layer_multipliers([prof.sections[0].imp], ys[0], ys[1], 2, np.arange(sink, 400))[0])
+    ratio = (r * 2.0 ** u).sum() / r.sum()
     assert 0.6 < ratio <= 1.0
 
 

@@ -14,10 +14,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from cachegen.codec import LEVELS, LOSSLESS, Codec, rans
-from cachegen.codec import quant
 from cachegen.stream.costs import best_time
 
 
@@ -33,24 +30,17 @@ def _text_ids(tok, n: int):
 
 def _entropy_speed(prof, kv, level: int, threads: int) -> tuple[float, float]:
     """(decode, encode) M symbols/s of the rANS coder alone (as the codec uses it), sections split over threads."""
-    from cachegen.codec.transform import forward_section
-
-    from cachegen.codec import importance
+    from cachegen.codec.codec import layer_inputs, section_symbols
     from cachegen.codec.profile import TABLE_PAD
 
     lp = prof.levels[level]
     tables, cls = lp.padded_tables(), lp.classes(prof.sections)
     jobs = []
     for li, layer in enumerate(kv.layers):
-        ys = [forward_section(prof.sections[2 * li + j], x[:, prof.n_sink :], prof.n_sink) for j, x in enumerate((layer.k, layer.v))]
-        us = importance.layer_multipliers([prof.sections[2 * li + j].imp for j in range(2)], ys[0], ys[1], layer.k.shape[0],
-                                          prof.n_sink + np.arange(ys[0].shape[0]))
+        ys, us = layer_inputs(layer, prof.sections[2 * li : 2 * li + 2], prof.n_sink, 0)
         for j, (y, u) in enumerate(zip(ys, us)):
             i = 2 * li + j
-            sym = np.empty(y.shape, dtype=np.uint8)
-            esc = np.empty(y.size + 1, dtype=np.int32)
-            quant.quantize(y, (1.0 / lp.steps[i]).astype(np.float32), 1.0 / importance.row_scale(u), cls[i] + TABLE_PAD, -u,
-                           tables.freq, sym, esc)
+            sym = section_symbols(y, u, lp.steps[i], cls[i], tables)[0]
             jobs.append((rans.encode_interleaved(sym, cls[i] + TABLE_PAD, tables, -u), y.shape[0], cls[i] + TABLE_PAD, sym, -u))
     n = sum(j[1] * j[2].size for j in jobs)
     with ThreadPoolExecutor(threads) as ex:

@@ -197,26 +197,42 @@ def quant_levels() -> tuple[int, ...]:
 # -- section bodies ---------------------------------------------------------------
 
 
+def layer_inputs(layer: KVLayer, sps, sink: int, start: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """One layer's K and V as the lossy format codes them: the transformed sections (T, H*D) past
+    the sink tokens, and each section's per-token multipliers ``u`` (the token-importance
+    predictor reads the layer's keys and values together)."""
+    ys = [forward_section(sp, x[:, sink:], start + sink) for sp, x in zip(sps, (layer.k, layer.v))]
+    us = importance.layer_multipliers([sp.imp for sp in sps], ys[0], ys[1], sps[0].heads,
+                                      start + sink + np.arange(ys[0].shape[0]))
+    return ys, us
+
+
+def section_symbols(y: np.ndarray, u: np.ndarray, step: np.ndarray, cls: np.ndarray,
+                    tables: rans.Tables) -> tuple[np.ndarray, np.ndarray, int]:
+    """rANS symbols (T, C) of a transformed section, its escaped integers and their count: the
+    step of ``(t, c)`` is ``step[c] * 2^(u[t]/2)``, its table ``cls[c] + TABLE_PAD - u[t]`` of
+    ``tables`` (:meth:`~cachegen.codec.profile.LevelParams.padded_tables`)."""
+    sym = np.empty(y.shape, dtype=np.uint8)
+    esc = np.empty(y.size + 1, dtype=np.int32)
+    inv_step = (np.float32(1.0) / step).astype(np.float32)
+    n_esc = quant.quantize(y, inv_step, 1.0 / importance.row_scale(u), cls + TABLE_PAD, -u, tables.freq, sym, esc)
+    return sym, esc, n_esc
+
+
 def _encode_layer(job) -> tuple[bytes, bytes]:
-    """Both sections of one layer (the token-importance predictor reads the layer's keys and values)."""
+    """Both sections of one layer."""
     layer, sps, steps, clss, tables, u_tables, sink, start = job
-    xs = (layer.k, layer.v)
-    ys = [forward_section(sp, x[:, sink:], start + sink) for sp, x in zip(sps, xs)]
-    n = ys[0].shape[0]
-    us = importance.layer_multipliers([sp.imp for sp in sps], ys[0], ys[1], sps[0].heads, start + sink + np.arange(n))
+    ys, us = layer_inputs(layer, sps, sink, start)
     out = []
-    for x, y, u, sp, step, cls in zip(xs, ys, us, sps, steps, clss):
-        out.append(_encode_section(x, y, u, sp.imp is not None and n > 0, step, cls, tables, u_tables, sink))
+    for x, y, u, sp, step, cls in zip((layer.k, layer.v), ys, us, sps, steps, clss):
+        out.append(_encode_section(x, y, u, sp.imp is not None and y.shape[0] > 0, step, cls, tables, u_tables, sink))
     return out[0], out[1]
 
 
 def _encode_section(x: torch.Tensor, y: np.ndarray, u: np.ndarray, send_u: bool, step: np.ndarray, cls: np.ndarray,
                     tables: rans.Tables, u_tables: rans.Tables | None, sink: int) -> bytes:
     sink_raw = _bytes_view(x[:, :sink]).tobytes() if sink else b""
-    sym = np.empty(y.shape, dtype=np.uint8)
-    esc = np.empty(y.size + 1, dtype=np.int32)
-    inv_step = (np.float32(1.0) / step).astype(np.float32)
-    n_esc = quant.quantize(y, inv_step, 1.0 / importance.row_scale(u), cls + TABLE_PAD, -u, tables.freq, sym, esc)
+    sym, esc, n_esc = section_symbols(y, u, step, cls, tables)
     words = rans.encode_interleaved(sym, cls + TABLE_PAD, tables, row_shift=-u)
     parts = [struct.pack("<I", len(sink_raw)), sink_raw, struct.pack("<I", n_esc), esc[:n_esc].astype("<i4").tobytes()]
     if send_u:

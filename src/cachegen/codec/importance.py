@@ -45,7 +45,10 @@ class ImportanceModel:
     def log_sensitivity(self, feats: np.ndarray) -> np.ndarray:
         """feats (H, T, F) -> (T,) log of the mean predicted sensitivity over heads, plus the offset."""
         w = self.weights.astype(np.float64)
-        pred = np.einsum("htf,hf->ht", feats, w[:, :-1]) + w[:, -1:]
+        return self.combine_heads(np.einsum("htf,hf->ht", feats, w[:, :-1]) + w[:, -1:])
+
+    def combine_heads(self, pred: np.ndarray) -> np.ndarray:
+        """Per-head log-sensitivities (H, T) -> (T,): the log of their mean, plus the offset."""
         m = pred.max(axis=0)
         return m + np.log(np.exp(pred - m).mean(axis=0)) + self.offset
 
@@ -68,18 +71,12 @@ def to_u(log_sens: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(-log_sens / np.log(2.0)), U_MIN, U_MAX).astype(np.int64)
 
 
-def multipliers(model: ImportanceModel | None, feats: np.ndarray | None, n: int) -> np.ndarray:
-    """Integer ``u`` per token from a feature matrix (calibration); zeros without a model."""
-    if model is None or feats is None or n == 0:
-        return np.zeros(n, dtype=np.int64)
-    return to_u(model.log_sensitivity(feats))
-
-
 def layer_multipliers(models: Sequence[ImportanceModel | None], yk: np.ndarray, yv: np.ndarray, heads: int,
                       positions: np.ndarray) -> list[np.ndarray]:
-    """``u`` per token for each of ``models`` (a layer's K and V sections) from the layer's
-    transformed sections (T, H*D) float32: :func:`multipliers` without building the feature
-    matrix (the encoder's path: ~20x less memory traffic)."""
+    """``u`` per token for each of ``models`` (a layer's K and V sections; None: zeros) from the
+    layer's transformed sections (T, H*D) float32: ``to_u(model.log_sensitivity(features(...)))``
+    without building the feature matrix (~20x less memory traffic; the encoder's and the
+    calibration's path)."""
     t = yk.shape[0]
     if t == 0 or all(m is None for m in models):
         return [np.zeros(t, dtype=np.int64) for _ in models]
@@ -98,8 +95,7 @@ def layer_multipliers(models: Sequence[ImportanceModel | None], yk: np.ndarray, 
         pred = (np.einsum("thd,hd->th", k, w[:, :dk]).astype(np.float64) + np.einsum("thd,hd->th", v, w[:, dk:dk + dv])
                 + lk * w[:, dk + dv].astype(np.float64) + lv * w[:, dk + dv + 1].astype(np.float64)
                 + lp * w[:, dk + dv + 2].astype(np.float64) + w[:, -1].astype(np.float64))
-        mx = pred.max(axis=1)
-        out.append(to_u(mx + np.log(np.exp(pred - mx[:, None]).mean(axis=1)) + m.offset))
+        out.append(to_u(m.combine_heads(pred.T)))
     return out
 
 

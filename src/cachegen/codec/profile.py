@@ -492,10 +492,12 @@ def calibrate(
         for li in range(len(dims)):
             for j, kv in enumerate(samples):
                 start = _nonsink(kv, 2 * li, n_sink)[1]
-                f = importance.features(ys[2 * li][j], ys[2 * li + 1][j], dims[li][0], start + np.arange(ys[2 * li][j].shape[0]))
-                for i in (2 * li, 2 * li + 1):
-                    us[i][j] = importance.multipliers(sections[i].imp, f, f.shape[1])
-                    u_counts += np.bincount(us[i][j] - importance.U_MIN, minlength=importance.N_U)
+                yk, yv = ys[2 * li][j], ys[2 * li + 1][j]
+                pair = importance.layer_multipliers([sections[2 * li].imp, sections[2 * li + 1].imp], yk, yv, dims[li][0],
+                                                    start + np.arange(yk.shape[0]))
+                for i, u in zip((2 * li, 2 * li + 1), pair):
+                    us[i][j] = u
+                    u_counts += np.bincount(u - importance.U_MIN, minlength=importance.N_U)
         from cachegen.codec.rans import quantize_counts
 
         u_freqs = quantize_counts(u_counts, PRECISION)

@@ -33,12 +33,24 @@ def _context_kv(model, context_ids: torch.Tensor) -> KVCache:
         return from_transformers(out.cache, model.config)
 
 
+def _sampled_grads(model, kv: KVCache, cont_ids: torch.Tensor, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(K, V) leaves of ``kv`` per layer whose ``.grad`` holds the gradient of the log-likelihood
+    of a continuation sampled from the model (one backward pass): an empirical Fisher sample."""
+    leaves = [(l.k.clone().requires_grad_(True), l.v.clone().requires_grad_(True)) for l in kv.layers]
+    kv_g = KVCache([KVLayer(k, v, l.kind, l.window) for (k, v), l in zip(leaves, kv.layers)], start=0)
+    logits = model(input_ids=cont_ids[None], cache=to_transformers(kv_g, model.config), use_cache=True).logits[0]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    with torch.no_grad():
+        y = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
+    logp.gather(1, y[:, None]).sum().backward()
+    return leaves
+
+
 def fisher_matrices(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], n_sink: int = 4, samples: int = 2, seed: int = 0,
                     rope: Sequence[RopeSpec | None] | None = None) -> list[np.ndarray]:
     """Per section ``2*layer + kv``: Fisher matrices (heads, D, D) float64, averaged over ``pairs`` of (context, continuation) ids.
 
     With ``rope`` (per layer) the key Fisher is for pre-RoPE keys (each token's gradient rotated back)."""
-    cfg = model.config
     acc: list[np.ndarray] | None = None
     g = torch.Generator().manual_seed(seed)
     for context_ids, cont_ids in pairs:
@@ -46,13 +58,7 @@ def fisher_matrices(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], n
         if acc is None:
             acc = [np.zeros((t.shape[0], t.shape[2], t.shape[2])) for l in kv.layers for t in (l.k, l.v)]
         for _ in range(samples):
-            leaves = [(l.k.clone().requires_grad_(True), l.v.clone().requires_grad_(True)) for l in kv.layers]
-            kv_g = KVCache([KVLayer(k, v, l.kind, l.window) for (k, v), l in zip(leaves, kv.layers)], start=0)
-            logits = model(input_ids=cont_ids[None], cache=to_transformers(kv_g, cfg), use_cache=True).logits[0]
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            with torch.no_grad():
-                y = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
-            logp.gather(1, y[:, None]).sum().backward()
+            leaves = _sampled_grads(model, kv, cont_ids, g)
             w = 1.0 / (len(cont_ids) * samples * len(pairs))
             with torch.no_grad():
                 for li, (k, v) in enumerate(leaves):
@@ -91,13 +97,7 @@ def token_sensitivity(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
         kv = _context_kv(model, context_ids)
         acc = None
         for _ in range(samples):
-            leaves = [(l.k.clone().requires_grad_(True), l.v.clone().requires_grad_(True)) for l in kv.layers]
-            kv_g = KVCache([KVLayer(k, v, l.kind, l.window) for (k, v), l in zip(leaves, kv.layers)], start=0)
-            logits = model(input_ids=cont_ids[None], cache=to_transformers(kv_g, model.config), use_cache=True).logits[0]
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            with torch.no_grad():
-                y = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
-            logp.gather(1, y[:, None]).sum().backward()
+            leaves = _sampled_grads(model, kv, cont_ids, g)
             with torch.no_grad():
                 per = torch.stack([torch.stack([(k.grad.double() ** 2).sum(-1), (v.grad.double() ** 2).sum(-1)]) for k, v in leaves])
             acc = per if acc is None else acc + per
