@@ -115,8 +115,8 @@ def calibrate_decode(codec, sample: KVCache, levels: Sequence[int], repeats: int
         t = best_time(lambda: codec.decode(blob), repeats)
         cm.decode_s_per_mvalue[int(level)] = max(t - cm.decode_fixed_s, 0.0) / mv * DECODE_HEADROOM
     # joining chunks: a copy of the whole context, slower in the loader than alone (cold caches,
-    # allocation); the slowest of a few joins of 8 chunks, halved (measured in the demo: 22-53 ms
-    # for 93 MB, 1.7-4.2 GB/s)
+    # allocation); the slowest of a few joins of 8 chunks, divided by STITCH_HEADROOM (measured in
+    # the demo: 22-53 ms for 93 MB, 1.7-4.2 GB/s)
     parts = [KVCache(sample.layers, start=i * sample.num_tokens) for i in range(8)]
     worst = max(best_time(lambda: KVCache.concat(parts), 1) for _ in range(3))
     nbytes = 8 * sample.num_values * sample.dtype.itemsize

@@ -99,6 +99,13 @@ class ThroughputEstimator:
             return min(hm, max(s[-1], s[-2]))
         return hm
 
+    def next_estimate(self, first_of_load: bool) -> float:
+        """Rate to plan the fetch about to start with: :meth:`estimate`, except for a load's first
+        fetch, whose latest sample comes from an earlier load, maybe long ago: then
+        :meth:`tail_estimate` (one stale slow sample had sent the most important chunk, fetched
+        first, to the most aggressive level)."""
+        return self.tail_estimate() if first_of_load else self.estimate()
+
     def estimate(self) -> float:
         """min(latest sample, harmonic mean of the window)."""
         with self._lock:

@@ -167,10 +167,7 @@ class StreamingLoader:
     def _choose(self, remaining: list[PlanChunk], n_chunks: int, deadline: float, cpu_busy: float,
                 prev: Choice | None = None) -> tuple[Choice, float]:
         e = self.estimator
-        # the first fetch of a load: the latest sample is from an earlier load, maybe long ago; one
-        # slow sample there should not set this load's most important chunk (fetched first)
-        first = len(remaining) == n_chunks
-        g, last = (e.tail_estimate() if first else e.estimate()), e.last()
+        g, last = e.next_estimate(first_of_load=prev is None), e.last()
         share = max(self.slo_s - self.reserve_s, 0.0) / n_chunks if self.slo_s is not None else None
         choice = decide(self.policy, remaining, self.costs,
                         time_left_s=None if self.slo_s is None else deadline - self.clock(), cpu_busy_s=cpu_busy,
@@ -243,8 +240,7 @@ class StreamingLoader:
 
         # the last chunk first; second when the estimator is cold: the first fetch is then a probe at
         # the smallest level, which belongs on a chunk that matters little
-        order = fetch_order(chunks, self.policy == ADAPTIVE and self.recency_boost > 0, not self.estimator.known)
-        early = n - 1 if order != list(range(n)) else None  # the last chunk, fetched early
+        order, early = fetch_order(chunks, self.policy == ADAPTIVE, not self.estimator.known)
 
         def fetcher() -> None:
             try:

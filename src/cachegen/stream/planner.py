@@ -54,9 +54,10 @@ def with_recency_boost(chunks: Sequence[PlanChunk], boost: int) -> list[PlanChun
     """The chunks with the last one marked to get ``boost`` levels better than the rest.
 
     Why: the tokens right after the cached prefix attend to its end far more than to the rest,
-    so quantization noise costs most there: measured on SmolLM2 (4K context, bf16), the last of
-    16 chunks at the most aggressive level costs 12x the KL of the first or a middle one
-    (docs/streaming.md). With KL growing ~2.2x per level, 2-3 levels better for that one chunk
+    so quantization noise costs most there: measured on SmolLM2 (4K context, bf16), one of 16
+    chunks at the most aggressive level and the rest at the best gives KL 0.056 when it is the
+    last chunk and at most 0.0026 when it is the first or a middle one (all at the best: 0.0023;
+    docs/streaming.md). With KL growing ~2.2x per level, 2-3 levels better for that one chunk
     is about where its marginal KL per byte matches the others'."""
     out = list(chunks)
     if out and boost > 0:
@@ -65,11 +66,12 @@ def with_recency_boost(chunks: Sequence[PlanChunk], boost: int) -> list[PlanChun
     return out
 
 
-def fetch_order(chunks: Sequence[PlanChunk], last_first: bool, probe_first: bool = False) -> list[int]:
-    """Positions of ``chunks`` in the order to fetch them: with ``last_first`` (the adaptive loader
-    with a recency boost) the last chunk comes first, then the rest in order; with ``probe_first``
-    too (a cold estimator, whose first fetch is a probe at the smallest level) chunk 0 takes the
-    probe and the last chunk comes second.
+def fetch_order(chunks: Sequence[PlanChunk], adaptive: bool, cold: bool) -> tuple[list[int], int | None]:
+    """(Positions of ``chunks`` in the order to fetch them, the position fetched out of order or None).
+
+    With the adaptive policy and a boosted last chunk (:func:`with_recency_boost`) that chunk
+    comes first, then the rest in order; with a ``cold`` estimator, whose first fetch is a probe
+    at the smallest level, chunk 0 takes the probe and the last chunk comes second.
 
     Why: the last chunk is the one whose quality matters most (see :func:`with_recency_boost`), and
     on a jittery link a slow fetch late in the load can leave it only the most aggressive level;
@@ -77,11 +79,11 @@ def fetch_order(chunks: Sequence[PlanChunk], last_first: bool, probe_first: bool
     surprises. Chunks decode independently, so only a recompute (which needs the chunks before
     it) has to wait: the loader then recomputes the last chunk after the others."""
     n = len(chunks)
-    if not (last_first and n >= 2 and chunks[-1].sizes):
-        return list(range(n))
-    if probe_first and n >= 3:
-        return [0, n - 1, *range(1, n - 1)]
-    return [n - 1, *range(n - 1)]
+    if not (adaptive and n >= 2 and chunks[-1].boost > 0 and chunks[-1].sizes):
+        return list(range(n)), None
+    if cold and n >= 3:
+        return [0, n - 1, *range(1, n - 1)], n - 1
+    return [n - 1, *range(n - 1)], n - 1
 
 
 def lift(chunk: PlanChunk, level: Choice, allowed: Sequence[int] | None = None) -> Choice:

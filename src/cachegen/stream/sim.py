@@ -51,7 +51,8 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
     rng = random.Random(seed)
     lat = costs.fetch_latency_s if latency_s is None else latency_s
     stitch = costs.stitch_s(sum(c.num_values for c in chunks), itemsize)  # as the loader keeps it back
-    deadline = (slo_s - reserve_s - stitch) if slo_s is not None else math.inf
+    limit = (slo_s - reserve_s) if slo_s is not None else math.inf  # for the load, stitch included
+    deadline = limit - stitch  # for the last compute
     n = len(chunks)
     share = max(slo_s - reserve_s, 0.0) / n if slo_s is not None and n else None
 
@@ -65,8 +66,7 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
         return predicted(i, c) * math.exp(rng.gauss(0.0, cpu_noise)) if cpu_noise else predicted(i, c)
 
     # fetch order as the loader's: the last chunk first when it is boosted and the estimator warm
-    order = fetch_order(chunks, policy == "adaptive" and any(c.boost > 0 for c in chunks), not est.known)
-    early = n - 1 if order != list(range(n)) else None
+    order, early = fetch_order(chunks, policy == "adaptive", not est.known)
     choice_of: dict[int, Choice] = {}
     items: list[int] = []  # queue order of chunk positions
     fetch_end: list[float] = []
@@ -100,7 +100,7 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
         if deferred:
             busy += predicted(early, TEXT)
         c = decide(policy, [chunks[j] for j in order[pos:]], costs, time_left_s=None if slo_s is None else deadline - t,
-                   cpu_busy_s=busy, est_gbps=est.tail_estimate() if pos == 0 else est.estimate(), last_gbps=est.last(),
+                   cpu_busy_s=busy, est_gbps=est.next_estimate(first_of_load=prev is None), last_gbps=est.last(),
                    tail_gbps=est.tail_estimate(),
                    known=est.known, history_s_per_bit=est.s_per_bit_history() if risk_quantile else None,
                    risk_quantile=risk_quantile or RISK_QUANTILE,
@@ -129,4 +129,4 @@ def simulate_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, s
     load = (max(comp_end) + stitch) if comp_end else 0.0
     order_fetch = {i: f for i, f in zip(items, fetch_end)}
     order_comp = {i: e for i, e in zip(items, comp_end)}
-    return SimResult(choices, load, load > deadline + stitch, [order_fetch[i] for i in range(n)], [order_comp[i] for i in range(n)])
+    return SimResult(choices, load, load > limit, [order_fetch[i] for i in range(n)], [order_comp[i] for i in range(n)])
