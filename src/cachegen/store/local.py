@@ -76,13 +76,23 @@ class LocalBackend(Backend):
         """One connection per thread and process (a forked child must not reuse its parent's)."""
         db = getattr(self._local, "db", None)
         if db is None or self._local.pid != os.getpid():
-            try:
-                db = sqlite3.connect(self.root / INDEX, timeout=self.busy_timeout, isolation_level=None)
-                db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA synchronous=NORMAL")
-                db.executescript(_SCHEMA)
-            except sqlite3.Error as e:
-                raise StoreError(f"cannot open store index {self.root / INDEX}: {e}") from e
+            # switching a new index to WAL needs an exclusive lock that sqlite's busy timeout does not
+            # wait for: two processes opening a new store at once saw "database is locked" at once
+            give_up = time.monotonic() + self.busy_timeout
+            while True:
+                db = None
+                try:
+                    db = sqlite3.connect(self.root / INDEX, timeout=self.busy_timeout, isolation_level=None)
+                    db.execute("PRAGMA journal_mode=WAL")
+                    db.execute("PRAGMA synchronous=NORMAL")
+                    db.executescript(_SCHEMA)
+                    break
+                except sqlite3.Error as e:
+                    if db is not None:
+                        db.close()
+                    if "locked" not in str(e) or time.monotonic() > give_up:
+                        raise StoreError(f"cannot open store index {self.root / INDEX}: {e}") from e
+                    time.sleep(0.01)
             self._local.db, self._local.pid = db, os.getpid()
         return db
 

@@ -70,7 +70,12 @@ def ingest_twice(url: str, tmp_path: Path) -> None:
     try:
         for p in procs:
             line = p.stdout.readline().strip()
-            assert line == "ready", f"worker said {line!r}; stderr: {p.stderr.read() if p.poll() is not None else ''}"
+            if line != "ready":  # the worker ended (stdout closed): say how
+                try:
+                    rc = p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    rc = None
+                raise AssertionError(f"worker said {line!r}, exit {rc}; stderr: {p.stderr.read() if rc is not None else ''}")
         go.touch()
         for p in procs:
             out, err = p.communicate(timeout=120)
