@@ -17,6 +17,7 @@ See ``docs/codec.md``.
 from cachegen.codec import rans
 from cachegen.codec.codec import LOSSLESS, Codec
 from cachegen.codec.container import FORMAT_VERSION, ChunkHeader, LayerShape
+from cachegen.codec.protocol import ChunkCodec
 from cachegen.codec.profile import KL_TARGETS, LEVELS, Profile, calibrate
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "KL_TARGETS",
     "Profile",
     "Codec",
+    "ChunkCodec",
     "ChunkHeader",
     "LayerShape",
     "calibrate",

@@ -80,7 +80,13 @@ class Codec:
         return self._pool.map(fn, items) if self._pool else map(fn, items)
 
     # -- encode ----------------------------------------------------------------
-    def encode(self, kv: KVCache, level: int) -> bytes:
+    @property
+    def levels(self) -> tuple[int, ...]:
+        """Levels :meth:`encode` accepts: lossless and the profile's (every lossy level without one)."""
+        return (LOSSLESS, *(sorted(self.profile.levels) if self.profile is not None else quant_levels()))
+
+    def encode(self, kv: KVCache, level: int, *, key: str | None = None) -> bytes:
+        """``kv`` as one chunk at ``level``; ``key`` is the store's chunk key the chunk is bound to."""
         dtype = kv.dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"unsupported dtype {dtype}")
@@ -155,7 +161,7 @@ class Codec:
             raise CorruptChunk("sink token count inconsistent")
         return prof
 
-    def decode_layers(self, data: bytes) -> Iterator[tuple[int, KVLayer]]:
+    def decode_layers(self, data: bytes, *, key: str | None = None) -> Iterator[tuple[int, KVLayer]]:
         """Yield ``(layer_index, KVLayer)`` in order as sections are decoded."""
         h = parse_header(data)
         prof = self._profile_for(data, h)
@@ -172,9 +178,10 @@ class Codec:
             v = next(it)
             yield li, KVLayer(k, v, l.kind, l.window)
 
-    def decode(self, data: bytes) -> KVCache:
+    def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
+        """The chunk's KV; with ``key``, only if the chunk was written for that chunk key."""
         h = parse_header(data)
-        layers = [l for _, l in self.decode_layers(data)]
+        layers = [l for _, l in self.decode_layers(data, key=key)]
         return KVCache(layers, start=h.start, meta={"model_fingerprint": h.model_fingerprint})
 
     def close(self) -> None:
