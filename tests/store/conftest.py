@@ -1,4 +1,4 @@
-"""Store fixtures: a tiny deterministic encoder, local stores, and real Redis servers.
+"""Store fixtures: a tiny deterministic codec, local stores, and real Redis servers.
 
 The Redis fixtures start Debian's ``redis-server`` on free loopback ports and
 stop it afterwards; without it on PATH they fail and say how to install it.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cachegen.store.testing import NS, RawEncoder, make_kv
+from store_helpers import NS, RawEncoder, make_kv
 
 
 @pytest.fixture
@@ -103,7 +103,8 @@ def start_redis(tmp: Path, cluster: bool = False) -> RedisServer:
     d.mkdir(parents=True)
     pidfile = d / "redis.pid"
     args = [server, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-            "--daemonize", "yes", "--pidfile", str(pidfile), "--dir", str(d), "--logfile", str(d / "log")]
+            "--daemonize", "yes", "--pidfile", str(pidfile), "--dir", str(d), "--logfile", str(d / "log"),
+            "--enable-debug-command", "local"]  # DEBUG SLEEP, for the stalled-server tests
     if cluster:
         args += ["--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf")]
     subprocess.run(args, check=True, timeout=30)

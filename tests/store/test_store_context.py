@@ -31,13 +31,13 @@ def test_put_lookup_plan_get(store, kv_factory):
     enc = store.encoder
     for info in plan:
         part = kv.slice(info.ref.start, info.ref.end)
-        expected = {l: enc.encode(part, l) for l in (0, 1, 2)}
+        expected = {l: enc.encode(part, l, key=info.ref.key) for l in (0, 1, 2)}
         assert info.sizes == {l: len(b) for l, b in expected.items()}
         for l in (0, 1, 2):
             assert store.get(info.ref, l) == expected[l]
         assert store.tokens(info.ref) == toks[info.ref.start : info.ref.end]
     assert store.get_many([(plan[3].ref, 2), (plan[0].ref.key, 0)]) == [
-        enc.encode(kv.slice(48, 50), 2), enc.encode(kv.slice(0, 16), 0)]
+        enc.encode(kv.slice(48, 50), 2, key=plan[3].ref.key), enc.encode(kv.slice(0, 16), 0, key=plan[0].ref.key)]
     stats = store.backend.stats().to_json()
     assert stats["contexts"] == 1 and stats["chunks"] == 4
     assert set(stats["levels"]) == {"0", "1", "2"} and stats["levels"]["1"]["chunks"] == 4

@@ -15,7 +15,7 @@ import pytest
 from cachegen.errors import ChunkNotFound, CorruptChunk, StoreError
 from cachegen.store import ChunkWrite, ContextStore, open_backend
 from cachegen.store.local import LocalBackend
-from cachegen.store.testing import check_one_copy, ingest_twice, spawn
+from store_helpers import check_one_copy, ingest_twice, spawn
 
 def key(i: int) -> str:
     return f"{i:064x}"

@@ -16,7 +16,7 @@ from cachegen.errors import ChunkNotFound, ConfigError, CorruptChunk, StoreError
 from cachegen.store import ChunkWrite, open_backend
 from cachegen.store.redis_backend import RedisBackend
 
-from cachegen.store.testing import check_one_copy, ingest_twice, spawn
+from store_helpers import check_one_copy, ingest_twice, spawn
 
 pytestmark = pytest.mark.redis
 

@@ -12,11 +12,39 @@ or :class:`~cachegen.errors.CorruptChunk`.
 from __future__ import annotations
 
 import hashlib
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from cachegen.errors import StoreUnavailable
+
 CHECKSUM_SIZE = 16
+
+
+class Deadline:
+    """The end of a store call that was given ``timeout`` seconds (``None``: no limit).
+
+    A timeout of zero or less means the caller has no time left: the call
+    fails at once with ``StoreUnavailable``, as one that ran out would."""
+
+    def __init__(self, timeout: float | None):
+        self.timeout = timeout
+        self.end = None if timeout is None else time.monotonic() + timeout
+        self.left()
+
+    def left(self) -> float | None:
+        """Seconds left; raises ``StoreUnavailable`` once none are."""
+        if self.end is None:
+            return None
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise StoreUnavailable(f"the store call ran out of its {self.timeout:.3g} s")
+        return left
+
+    @property
+    def expired(self) -> bool:
+        return self.end is not None and time.monotonic() >= self.end
 
 
 def checksum(data: bytes) -> bytes:
@@ -32,6 +60,19 @@ class ChunkWrite:
     payloads: Mapping[int, bytes]
     start: int = 0  # first token position, used to evict a context's tail before its head
     ends_context: bool = False  # the last chunk of an ingested context (counted by stats)
+    prev: str = ""  # the key of the chunk before it in its context ("" for the first), for `store ls`
+
+
+@dataclass
+class ChunkRow:
+    """What a backend knows of one stored chunk, without its payloads (for listing contexts)."""
+
+    key: str
+    start: int
+    num_tokens: int
+    prev: str
+    ends_context: bool
+    sizes: dict[int, int]
 
 
 @dataclass
@@ -61,7 +102,11 @@ class StoreStats:
 class Backend(ABC):
     """A place to keep chunks; chosen by URL with :func:`cachegen.store.open_backend`."""
 
-    url: str
+    url: str  # with any password masked (see ``cachegen.store.url.redact``)
+    local = False  # True when calls never wait on a network (checks may run when the store opens)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
 
     @abstractmethod
     def put_chunks(self, writes: Sequence[ChunkWrite]) -> None:
@@ -71,18 +116,20 @@ class Backend(ABC):
         self.put_chunks([ChunkWrite(key, tokens, payloads, **kw)])
 
     @abstractmethod
-    def get_many(self, items: Sequence[tuple[str, int]]) -> list[bytes]:
-        """Payloads of ``(key, level)`` pairs, fetched together; checksums verified."""
+    def get_many(self, items: Sequence[tuple[str, int]], *, timeout: float | None = None) -> list[bytes]:
+        """Payloads of ``(key, level)`` pairs, fetched together; checksums verified.
 
-    def get(self, key: str, level: int) -> bytes:
-        return self.get_many([(key, level)])[0]
+        Raises ``StoreUnavailable`` rather than take more than ``timeout`` seconds."""
+
+    def get(self, key: str, level: int, *, timeout: float | None = None) -> bytes:
+        return self.get_many([(key, level)], timeout=timeout)[0]
 
     @abstractmethod
-    def sizes_many(self, keys: Sequence[str]) -> list[dict[int, int]]:
+    def sizes_many(self, keys: Sequence[str], *, timeout: float | None = None) -> list[dict[int, int]]:
         """Payload size per level for each key; ``{}`` for a key that is not stored."""
 
-    def sizes(self, key: str) -> dict[int, int]:
-        return self.sizes_many([key])[0]
+    def sizes(self, key: str, *, timeout: float | None = None) -> dict[int, int]:
+        return self.sizes_many([key], timeout=timeout)[0]
 
     def has(self, key: str) -> bool:
         return bool(self.sizes(key))
@@ -93,6 +140,26 @@ class Backend(ABC):
 
     @abstractmethod
     def stats(self) -> StoreStats: ...
+
+    @abstractmethod
+    def get_setting(self, name: str, *, timeout: float | None = None) -> str | None:
+        """A value recorded with the store (e.g. a namespace's chunk size), or ``None``."""
+
+    @abstractmethod
+    def claim_setting(self, name: str, value: str) -> str:
+        """Record ``value`` unless a value is recorded already; returns the recorded one."""
+
+    @abstractmethod
+    def chunk_rows(self) -> list[ChunkRow]:
+        """Every stored chunk (with at least one payload), without payloads."""
+
+    @abstractmethod
+    def delete_chunks(self, keys: Sequence[str]) -> int:
+        """Remove these chunks, all levels; returns how many were stored."""
+
+    @abstractmethod
+    def unmark_end(self, key: str) -> None:
+        """The chunk no longer ends an ingested context (another context goes on through it)."""
 
     @abstractmethod
     def evict(self, max_bytes: int | None = None) -> int:

@@ -14,24 +14,44 @@ without its payload. Two writers of the same chunk each write a complete,
 consistent copy and the last one stays. Gets are pipelined; every payload's
 checksum is verified. Connection failures and timeouts (``?timeout=`` in the
 URL) raise :class:`~cachegen.errors.StoreUnavailable`.
+
+A read given ``timeout=`` (the loader's time left) runs on a small pool of
+worker threads and is waited for at most that long: a paused or sleeping
+server costs the caller ``timeout`` and a ``StoreUnavailable``, whatever the
+socket timeout. The abandoned worker ends at the URL's socket timeout.
+
+Settings recorded with the store (a namespace's chunk size) are plain keys
+``cgmeta:<name>``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cachegen.errors import ChunkNotFound, CorruptChunk, StoreError, StoreUnavailable
-from cachegen.store.backend import CHECKSUM_SIZE, Backend, ChunkWrite, StoreStats, checksum, merge_levels
+from cachegen.store.backend import (
+    CHECKSUM_SIZE, Backend, ChunkRow, ChunkWrite, Deadline, StoreStats, checksum, merge_levels,
+)
 from cachegen.store.keys import check_key
+from cachegen.store.url import redact
+
+log = logging.getLogger(__name__)
 
 PREFIX = "cg:"
+SETTING_PREFIX = "cgmeta:"
 DEFAULT_TIMEOUT = 5.0
+CALL_WORKERS = 8  # reads waited for with a timeout run on these threads
+
+T = TypeVar("T")
 
 
 def _meta(key: str) -> str:
@@ -68,7 +88,7 @@ class RedisBackend(Backend):
     ):
         self.host, self.port, self.db, self.cluster = host, port, db, cluster
         self.ttl = ttl
-        self.url = url or (f"redis+cluster://{host}:{port}" if cluster else f"redis://{host}:{port}/{db}")
+        self.url = redact(url or (f"redis+cluster://{host}:{port}" if cluster else f"redis://{host}:{port}/{db}"))
         self._kw = dict(
             password=password,
             socket_timeout=timeout,
@@ -76,6 +96,8 @@ class RedisBackend(Backend):
             retry=Retry(NoBackoff(), retries),  # the loader has a deadline: fail fast, it recomputes
         )
         self._client = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     @property
     def client(self):
@@ -95,11 +117,32 @@ class RedisBackend(Backend):
         try:
             yield
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
-            raise StoreUnavailable(f"cannot {what} {self.url}: {e}") from e
+            raise StoreUnavailable(redact(f"cannot {what} {self.url}: {e}")) from e
         except redis.exceptions.RedisClusterException as e:  # cluster down, no reachable node
-            raise StoreUnavailable(f"cannot {what} {self.url}: {e}") from e
+            raise StoreUnavailable(redact(f"cannot {what} {self.url}: {e}")) from e
         except redis.exceptions.RedisError as e:
-            raise StoreError(f"{self.url} failed to {what} the store: {e}") from e
+            raise StoreError(redact(f"{self.url} failed to {what} the store: {e}")) from e
+
+    def _call(self, what: str, fn: Callable[[], T], timeout: float | None) -> T:
+        """``fn()`` with redis errors translated; with a timeout, never waits longer than it."""
+        d = Deadline(timeout)
+        if d.end is None:
+            with self._errors(what):
+                return fn()
+
+        def guarded() -> T:
+            with self._errors(what):
+                return fn()
+
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(CALL_WORKERS, thread_name_prefix="cachegen-redis")
+            fut = self._pool.submit(guarded)
+        try:
+            return fut.result(timeout=d.left())
+        except concurrent.futures.TimeoutError:
+            fut.cancel()  # still queued behind stalled calls: it never runs
+            raise StoreUnavailable(f"{self.url} did not answer within {timeout:.3g} s (cannot {what} it)") from None
 
     # -- writes --------------------------------------------------------------
     def put_chunks(self, writes: Sequence[ChunkWrite]) -> None:
@@ -109,12 +152,14 @@ class RedisBackend(Backend):
         with self._errors("write to"):
             for w, have in zip(writes, existing):
                 new = {int(l): d for l, d in w.payloads.items() if int(l) not in have}
-                if not new and have and not w.ends_context:
-                    continue
+                if not new and (not have or not w.ends_context):
+                    continue  # nothing new (or nothing stored at all: no meta without sizes)
                 p = self.client.pipeline(transaction=True)  # one slot per chunk: MULTI works in a cluster too
                 fields: dict[str, int] = {"p": w.start, "w": now}
                 if w.ends_context:
                     fields["e"] = 1
+                if w.prev:
+                    fields["q"] = check_key(w.prev)
                 for level, data in new.items():
                     p.set(_payload(w.key, level), checksum(data) + data)
                     fields[f"s:{level}"] = len(data)
@@ -126,12 +171,16 @@ class RedisBackend(Backend):
                 p.execute()
 
     # -- reads ---------------------------------------------------------------
-    def get_many(self, items: Sequence[tuple[str, int]]) -> list[bytes]:
-        with self._errors("read from"):
+    def get_many(self, items: Sequence[tuple[str, int]], *, timeout: float | None = None) -> list[bytes]:
+        names = [_payload(check_key(key), level) for key, level in items]
+
+        def run() -> list:
             p = self.client.pipeline(transaction=False)
-            for key, level in items:
-                p.get(_payload(check_key(key), level))
-            raw = p.execute()
+            for n in names:
+                p.get(n)
+            return p.execute()
+
+        raw = self._call("read from", run, timeout)
         out = []
         for (key, level), value in zip(items, raw):
             if value is None:
@@ -142,14 +191,50 @@ class RedisBackend(Backend):
             out.append(data)
         return out
 
-    def sizes_many(self, keys: Sequence[str]) -> list[dict[int, int]]:
+    def sizes_many(self, keys: Sequence[str], *, timeout: float | None = None) -> list[dict[int, int]]:
         if not keys:
+            Deadline(timeout)
             return []
+        names = [_meta(check_key(key)) for key in keys]
+
+        def run() -> list:
+            p = self.client.pipeline(transaction=False)
+            for n in names:
+                p.hgetall(n)
+            return p.execute()
+
+        return [_sizes(m) for m in self._call("read from", run, timeout)]
+
+    # -- settings --------------------------------------------------------------
+    def get_setting(self, name: str, *, timeout: float | None = None) -> str | None:
+        value = self._call("read from", lambda: self.client.get(SETTING_PREFIX + name), timeout)
+        return None if value is None else value.decode()
+
+    def claim_setting(self, name: str, value: str) -> str:
+        with self._errors("write to"):
+            self.client.set(SETTING_PREFIX + name, value, nx=True)
+            stored = self.client.get(SETTING_PREFIX + name)
+        return value if stored is None else stored.decode()
+
+    # -- contexts ----------------------------------------------------------------
+    def chunk_rows(self) -> list[ChunkRow]:
+        metas = [(k, m) for k, m in self._metas() if _sizes(m)]
         with self._errors("read from"):
             p = self.client.pipeline(transaction=False)
-            for key in keys:
-                p.hgetall(_meta(check_key(key)))
-            return [_sizes(m) for m in p.execute()]
+            for k, _ in metas:
+                p.strlen(_tok(k))
+            lengths = p.execute() if metas else []
+        return [ChunkRow(k, int(m.get(b"p", 0)), int(n) // 4, m.get(b"q", b"").decode(), bool(int(m.get(b"e", 0))),
+                         _sizes(m)) for (k, m), n in zip(metas, lengths)]
+
+    def delete_chunks(self, keys: Sequence[str]) -> int:
+        present = [(k, list(s)) for k, s in zip(keys, self.sizes_many(list(keys))) if s]
+        self._delete(present)
+        return len(present)
+
+    def unmark_end(self, key: str) -> None:
+        with self._errors("write to"):
+            self.client.hdel(_meta(check_key(key)), "e")
 
     def tokens(self, key: str) -> bytes:
         with self._errors("read from"):
@@ -171,6 +256,8 @@ class RedisBackend(Backend):
     def stats(self) -> StoreStats:
         s = StoreStats()
         for _, m in self._metas():
+            if not _sizes(m):
+                continue  # a meta without payload sizes (from before empty writes were skipped)
             s.chunks += 1
             s.contexts += int(m.get(b"e", 0))
             merge_levels(s, _sizes(m).items())
@@ -211,6 +298,9 @@ class RedisBackend(Backend):
             for name in names:
                 p.delete(name)
                 n += name.endswith(b":m")
+            for name in self.client.scan_iter(match=f"{SETTING_PREFIX}chunk_tokens:*", count=1000):
+                p.delete(name)  # an empty store takes any chunk size
+                names.append(name)
             if names:
                 p.execute()
         return n
@@ -222,3 +312,6 @@ class RedisBackend(Backend):
             except redis.exceptions.RedisError:
                 pass
             self._client = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

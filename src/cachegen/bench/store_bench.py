@@ -1,4 +1,4 @@
-"""Per-chunk store overhead against chunk size: ``python -m cachegen.store.bench``.
+"""Per-chunk store overhead against chunk size: ``python -m cachegen.bench.store_bench``.
 
 Stores one context of ``--tokens`` tokens split into chunks of each size, with
 payloads sized like CacheGen's levels for SmolLM2-135M (11,520 K/V values per
@@ -63,13 +63,14 @@ def bench(url: str, chunk_tokens: int, tokens: int, bits: list[float], repeat: i
 def codec_overhead(model: str, text_file: str, tokens: int = 1024, levels=(0, 4)) -> list[dict]:
     """Encoded bytes per token against chunk size, with the real codec (needs the model; imported lazily)."""
     from cachegen import codec
+    from cachegen.calibrate import load_or_calibrate
     from cachegen.engine.models import load_model
     from cachegen.engine.prefill import prefill
 
     m = load_model(model, progress=False)
     ids = m.tokenizer(open(text_file).read())["input_ids"][:tokens]
     kv = prefill(m.model, ids)
-    c = codec.Codec(codec.load_or_calibrate(m), m.fingerprint)
+    c = codec.Codec(load_or_calibrate(m), m.fingerprint)
     rows = []
     for n in (64, 128, 256, 512, 1024):
         for level in levels:

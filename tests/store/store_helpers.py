@@ -1,12 +1,14 @@
-"""Helpers for the store's tests: a stand-in encoder, and workers run as separate processes.
+"""Helpers for the store's tests: a stand-in codec, and workers run as separate processes.
 
-Kept in the package (like ``numpy.testing``) so that worker processes import
-them by name: ``python -m cachegen.store.testing writer URL FIRST N SIZE``.
+Test code, so it lives with the tests; worker processes run this file as a
+script: ``python tests/store/store_helpers.py writer URL FIRST N SIZE``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -22,23 +24,79 @@ INGEST_TOKENS = list(range(1000, 1000 + 16 * 60 + 5))  # 60 full chunks of 16 an
 
 
 class RawEncoder:
-    """Stands in for the codec: level L keeps every (L+1)-th value of K and V, as raw bytes.
+    """A small :class:`cachegen.codec.ChunkCodec` standing in for the real codec.
 
-    Deterministic, so two writers produce identical payloads; counts calls so tests
-    can check that stored levels are not encoded again."""
+    Level 0 keeps K and V as float32, level 1 as float16, level 2 as int8 with
+    one scale per tensor: deterministic (two writers produce identical
+    payloads) and decodable. The chunk key's digest is in the header, so a
+    chunk stored under another key fails to decode with ``KeyMismatch``.
+    Counts encodes, so tests can check that stored levels are not encoded again."""
 
     levels = (0, 1, 2)
+    _HEAD = struct.Struct("<4sIIIIIB8s")  # magic, start, tokens, layers, heads, dim, level, key digest
+    _DTYPES = ("float32", "float16", "int8")
 
     def __init__(self):
         self.calls = 0
 
-    def encode(self, kv, level: int) -> bytes:
+    @staticmethod
+    def _digest(key: str | None) -> bytes:
+        return hashlib.blake2b((key or "").encode(), digest_size=8).digest()
+
+    def encode(self, kv, level: int, *, key: str | None = None) -> bytes:
+        import torch
+
         self.calls += 1
-        parts = [f"{kv.start}:{kv.num_tokens}:{level}|".encode()]
-        for l in kv.layers:
-            parts.append(l.k.contiguous().flatten()[:: level + 1].numpy().tobytes())
-            parts.append(l.v.contiguous().flatten()[:: level + 1].numpy().tobytes())
+        l0 = kv.layers[0]
+        parts = [self._HEAD.pack(b"RAWE", kv.start, kv.num_tokens, kv.num_layers, l0.k.shape[0], l0.k.shape[2],
+                                 level, self._digest(key))]
+        for layer in kv.layers:
+            for t in (layer.k, layer.v):
+                t = t.detach().float().contiguous()
+                if level == 0:
+                    parts.append(t.numpy().tobytes())
+                elif level == 1:
+                    parts.append(t.half().numpy().tobytes())
+                else:
+                    scale = float(t.abs().max()) / 127 or 1.0
+                    parts.append(struct.pack("<f", scale) + torch.round(t / scale).to(torch.int8).numpy().tobytes())
         return b"".join(parts)
+
+    def decode(self, data: bytes, *, key: str | None = None):
+        import numpy as np
+        import torch
+
+        from cachegen.errors import CorruptChunk, KeyMismatch
+        from cachegen.kv import KVCache, KVLayer
+
+        try:
+            magic, start, n, layers, heads, dim, level, digest = self._HEAD.unpack_from(data)
+        except struct.error:
+            raise CorruptChunk("short RawEncoder header") from None
+        if magic != b"RAWE" or level > 2:
+            raise CorruptChunk("not a RawEncoder chunk")
+        if key is not None and digest != self._digest(key):
+            raise KeyMismatch("chunk stored under another key")
+        pos, count, out = self._HEAD.size, heads * n * dim, []
+        try:
+            for _ in range(layers):
+                kv = []
+                for _ in range(2):
+                    if level == 2:
+                        (scale,) = struct.unpack_from("<f", data, pos)
+                        a = np.frombuffer(data, np.int8, count, pos + 4).astype(np.float32) * scale
+                        pos += 4 + count
+                    else:
+                        dt = np.dtype(self._DTYPES[level])
+                        a = np.frombuffer(data, dt, count, pos).astype(np.float32)
+                        pos += count * dt.itemsize
+                    kv.append(torch.from_numpy(a.copy()).reshape(heads, n, dim))
+                out.append(KVLayer(*kv))
+        except (ValueError, struct.error):
+            raise CorruptChunk("truncated RawEncoder chunk") from None
+        if pos != len(data):
+            raise CorruptChunk("trailing bytes after a RawEncoder chunk")
+        return KVCache(out, start=start)
 
 
 def make_kv(n_tokens: int, start: int = 0, seed: int = 0, layers: int = 2, heads: int = 2, dim: int = 8):
@@ -60,7 +118,7 @@ def ingest_kv():
 
 def spawn(*args) -> subprocess.Popen:
     """Run a worker of this module in a new process (stdout: 'ready', then 'done')."""
-    return subprocess.Popen([sys.executable, "-m", "cachegen.store.testing", *map(str, args)],
+    return subprocess.Popen([sys.executable, __file__, *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -96,7 +154,7 @@ def check_one_copy(url: str) -> None:
     plan = cs.plan(toks)
     for info in plan:
         got = cs.get_many([(info.ref, l) for l in (0, 1, 2)])
-        want = [cs.encoder.encode(kv.slice(info.ref.start, info.ref.end), l) for l in (0, 1, 2)]
+        want = [cs.encoder.encode(kv.slice(info.ref.start, info.ref.end), l, key=info.ref.key) for l in (0, 1, 2)]
         assert got == want and info.sizes == {l: len(w) for l, w in enumerate(want)}
     assert stats.bytes == sum(sum(i.sizes.values()) for i in plan)
 
