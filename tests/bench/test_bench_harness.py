@@ -141,7 +141,7 @@ def test_ttft_counts_the_link(tmp_path, tiny_lm):
 
 
 def test_cli_quality_on_a_local_model_dir(tmp_path, tiny_lm, capsys):
-    from cachegen.bench.cli import main
+    from cachegen.cli.main import main
 
     d = tmp_path / "tiny"
     tiny_lm.model.save_pretrained(d)
@@ -176,7 +176,7 @@ def test_metrics_agree_with_quality_metrics(tiny_lm):
 
 def test_bench_all_quick_on_a_tiny_model(tmp_path, tiny_lm, monkeypatch):
     from cachegen.bench import all as bench_all
-    from cachegen.bench.cli import main
+    from cachegen.cli.main import main
 
     d = tmp_path / "tiny"
     tiny_lm.model.save_pretrained(d)

@@ -1,9 +1,11 @@
-"""``cachegen bench all``: every benchmark at its default size, one results.md with tables and plots.
+"""``cachegen bench all`` and the one function per benchmark that its sections and the single commands share.
 
-Default sizes are chosen to finish in under 20 minutes on 2 CPU cores with
-SmolLM2-135M in fp32 (quality: 2,048 + 256 tokens; needle: 50 cases of 1,024
-tokens; TTFT: 4,096 tokens at 0.1, 1 and 10 Gbit/s). ``quick`` shrinks all of
-them for a smoke test.
+``quality``, ``needle`` and ``ttft`` run a benchmark and draw its plot; the
+``bench quality|needle|ttft`` commands print their table, ``run_all`` writes
+their JSON and a results.md section. Default sizes are chosen to finish in
+under 20 minutes on 2 CPU cores with SmolLM2-135M in fp32 (quality: 2,048 +
+256 tokens; needle: 50 cases of 1,024 tokens; TTFT: 4,096 tokens at 0.1, 1
+and 10 Gbit/s). ``quick`` shrinks all of them for a smoke test.
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import os
 import platform
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
+from cachegen.bench.cli import DEFAULT_CODECS, NEEDLE_COLS, QUALITY_COLS, TTFT_COLS, codecs_for, load
 from cachegen.bench.plots import needle_plot, quality_plot, table, ttft_plot
+
+log = logging.getLogger(__name__)
 
 SIZES = {
     "full": {"quality": (2048, 256), "needle": (1024, 50), "ttft": 4096, "codec": None, "stream": 4096},
@@ -26,7 +32,49 @@ SIZES = {
 }
 
 
-def _run_codec_bench(model: str, out: Path, log: Callable[[str], None], context_tokens: int | None = None) -> tuple[str | None, str]:
+# -- one function per benchmark (the command and bench all both call it) ----------------
+
+def quality(lm, codecs, *, context_tokens: int, continuation_tokens: int, text: str = "pydoc-eval",
+            plot: str | Path | None = None) -> dict:
+    """``bench quality``: size against KL, perplexity and top-1 agreement for every codec and level."""
+    from cachegen.bench.quality import run_quality
+
+    res = run_quality(lm, codecs, text=text, context_tokens=context_tokens, continuation_tokens=continuation_tokens)
+    if plot:
+        quality_plot(res, plot)
+    return res
+
+
+def needle(lm, codecs, *, cases: int, context_tokens: int, max_new_tokens: int, seed: int = 0,
+           text: str = "pydoc-eval", plot: str | Path | None = None) -> dict:
+    """``bench needle``: retrieval accuracy per codec and level, with Wilson intervals."""
+    from cachegen.bench.needle import run_needle
+
+    res = run_needle(lm, codecs, cases=cases, context_tokens=context_tokens, max_new_tokens=max_new_tokens,
+                     seed=seed, source=text)
+    if plot:
+        needle_plot(res, plot)
+    return res
+
+
+def ttft(lm, codecs, *, context_tokens: int, bandwidths_gbps: Sequence[float] = (0.1, 1.0, 10.0),
+         link: str = "inproc", latency_s: float = 0.0, repeats: int = 1, recompute_repeats: int = 1,
+         text: str = "pydoc-eval", plot: str | Path | None = None) -> dict:
+    """``bench ttft``: time to first token against bandwidth, per method."""
+    from cachegen.bench.ttft import run_ttft
+
+    res = run_ttft(lm, codecs, context_tokens=context_tokens, bandwidths_gbps=bandwidths_gbps, link=link,
+                   latency_s=latency_s, repeats=repeats, recompute_repeats=recompute_repeats, text=text)
+    if plot:
+        ttft_plot(res, plot)
+    return res
+
+
+def _save(obj: dict, path: Path) -> None:
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+
+
+def _run_codec_bench(model: str, out: Path, context_tokens: int | None = None) -> tuple[str | None, str]:
     """Run ``cachegen bench codec`` (the codec engineer's module): (json path or None, its stdout)."""
     from cachegen.bench.codec_bench import register as reg_codec
 
@@ -50,20 +98,20 @@ def _run_codec_bench(model: str, out: Path, log: Callable[[str], None], context_
 STREAM_COLS = ("method", "trace", "timing", "runs", "slo_s", "ttft_s_p50", "ttft_s_p95", "deadline_miss_rate", "mean_kl")
 
 
-def _stream_section(model: str, out: Path, sizes: dict, link: str, log: Callable[[str], None]) -> list[str]:
+def _stream_section(model: str, out: Path, sizes: dict, link: str) -> list[str]:
     """The adaptive loader against fixed levels, 8-bit KV and recompute (``cachegen bench stream``)."""
     from cachegen.bench.stream_bench import run_stream_bench
 
     n = sizes["stream"]
     const = run_stream_bench(model, trace="constant", gbps=0.1, slo="8bit:0.4", runs=3, context_tokens=n,
                              methods=["adaptive", "cachegen-rule", "cachegen-L1", "uniform8", "fp16", "recompute"],
-                             json_path=str(out / "stream_constant.json"), link=link, log=log)
+                             json_path=str(out / "stream_constant.json"), link=link, log=log.info)
     rand = run_stream_bench(model, trace="random", slo="auto", runs=5, sim_runs=200, context_tokens=n,
                             methods=["adaptive", "cachegen-rule"], json_path=str(out / "stream_random.json"),
-                            link=link, log=log)
+                            link=link, log=log.info)
     step = run_stream_bench(model, trace="step", slo="trace-auto", runs=3, sim_runs=20, context_tokens=n,
                             methods=["adaptive", "cachegen-rule", "cachegen-L1"], json_path=str(out / "stream_step.json"),
-                            link=link, log=log)
+                            link=link, log=log.info)
     return ["## Streaming under a deadline", "",
             f"{n}-token context in bf16. Constant 100 Mbit/s with the deadline `8bit:0.4` (0.4x what 8-bit KV needs: "
             "its transfer plus the tail prefill, i.e. the TTFT target itself); then the random trace "
@@ -85,16 +133,10 @@ def run_all(
     needle_cases: int | None = None,
     quick: bool = False,
     link: str = "inproc",
-    log: Callable[[str], None] = print,
     codec_bench: bool = True,
     ttft_dtype: str = "bfloat16",
     stream: bool = True,
 ) -> Path:
-    from cachegen.bench.cli import DEFAULT_CODECS, NEEDLE_COLS, QUALITY_COLS, TTFT_COLS, codecs_for, load, write_json
-    from cachegen.bench.needle import run_needle
-    from cachegen.bench.quality import run_quality
-    from cachegen.bench.ttft import run_ttft
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     sizes = SIZES["quick" if quick else "full"]
@@ -104,42 +146,39 @@ def run_all(
 
     lm = load(model, dtype)
     cods = codecs_for(lm, names)
-    md = [f"# cachegen benchmark results", "",
+    md = ["# cachegen benchmark results", "",
           f"Model `{lm.name}` ({dtype}), {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
           f"torch {__import__('torch').__version__}, {time.strftime('%Y-%m-%d %H:%M')}.", ""]
 
-    log("== quality")
+    log.info("== quality")
     t = time.perf_counter()
     ctx, cont = sizes["quality"]
-    q = run_quality(lm, cods, context_tokens=ctx, continuation_tokens=cont, log=log)
-    write_json(q, out / "quality.json")
-    quality_plot(q, out / "quality.png")
+    q = quality(lm, cods, context_tokens=ctx, continuation_tokens=cont, plot=out / "quality.png")
+    _save(q, out / "quality.json")
     timings["quality"] = time.perf_counter() - t
     md += ["## Size against quality", "",
            f"{ctx} context tokens of `{q['text']}` encoded in 256-token chunks, then a {cont}-token continuation; "
            f"reference perplexity {q['reference_ppl']:.3f}. KL in nats/token against the unmodified cache.", "",
            table(q["rows"], QUALITY_COLS, markdown=True), "", "![quality](quality.png)", ""]
 
-    log("== needle")
+    log.info("== needle")
     t = time.perf_counter()
     nctx, ncases = sizes["needle"]
     ncases = needle_cases or ncases
-    n = run_needle(lm, cods, cases=ncases, context_tokens=nctx, log=log)
-    write_json(n, out / "needle.json")
-    needle_plot(n, out / "needle.png")
+    n = needle(lm, cods, cases=ncases, context_tokens=nctx, max_new_tokens=8, plot=out / "needle.png")
+    _save(n, out / "needle.json")
     timings["needle"] = time.perf_counter() - t
     md += ["## Needle retrieval", "",
            f"{ncases} cases of ~{nctx} tokens; accuracy with its 95% Wilson interval. `recompute` is the "
            "uncompressed cache.", "", table(n["rows"], NEEDLE_COLS, markdown=True), "", "![needle](needle.png)", ""]
 
-    log("== ttft")
+    log.info("== ttft")
     t = time.perf_counter()
     # time to first token is measured in the serving dtype (bf16: 2-3x faster prefill on CPU than fp32)
     lm_serve = load(model, ttft_dtype) if ttft_dtype != dtype else lm
-    tt = run_ttft(lm_serve, codecs_for(lm_serve, names) if lm_serve is not lm else cods,
-                  context_tokens=sizes["ttft"], link=link, repeats=2, log=log)
-    write_json(tt, out / "ttft.json")
-    ttft_plot(tt, out / "ttft.png")
+    tt = ttft(lm_serve, codecs_for(lm_serve, names) if lm_serve is not lm else cods,
+              context_tokens=sizes["ttft"], link=link, repeats=2, plot=out / "ttft.png")
+    _save(tt, out / "ttft.json")
     timings["ttft"] = time.perf_counter() - t
     md += ["## Time to first token", "",
            f"Model in {ttft_dtype}. {tt['context_tokens']} context tokens, link `{tt['link']}`: fetch over the link (pipelined with "
@@ -148,15 +187,15 @@ def run_all(
            "", table(tt["rows"], TTFT_COLS, markdown=True), "", "![ttft](ttft.png)", ""]
 
     if stream:
-        log("== stream")
+        log.info("== stream")
         t = time.perf_counter()
-        md += _stream_section(model, out, sizes, link, log)
+        md += _stream_section(model, out, sizes, link)
         timings["stream"] = time.perf_counter() - t
 
     if codec_bench:
-        log("== codec")
+        log.info("== codec")
         t = time.perf_counter()
-        cpath, ctext = _run_codec_bench(model, out, log, context_tokens=sizes["codec"])
+        cpath, ctext = _run_codec_bench(model, out, context_tokens=sizes["codec"])
         timings["codec"] = time.perf_counter() - t
         md += ["## Codec speed", ""]
         if cpath:
@@ -166,6 +205,6 @@ def run_all(
     timings["total"] = time.perf_counter() - t_start
     md += ["## Run time", "", " · ".join(f"{k} {v:.0f} s" for k, v in timings.items()), ""]
     (out / "results.md").write_text("\n".join(md))
-    (out / "timings.json").write_text(json.dumps(timings, indent=1) + "\n")
-    log(f"wrote {out / 'results.md'} in {timings['total']:.0f} s")
+    _save(timings, out / "timings.json")
+    log.info("wrote %s in %.0f s", out / "results.md", timings["total"])
     return out / "results.md"

@@ -12,19 +12,24 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
 
-from cachegen.engine.models import DEFAULT_MODEL
+from cachegen.cli import checks, options
+from cachegen.cli.output import write_json
+
+log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="store a long context's KV, then answer from text and from the stored KV")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or local HF directory")
-    p.add_argument("--store", default=None, metavar="URL", help="store URL (default: the local store)")
-    p.add_argument("--context-tokens", type=int, default=4000)
-    p.add_argument("--gbps", type=float, default=0.1, help="bandwidth of the emulated link (default 0.1 = 100 Mbps)")
-    p.add_argument("--slo", type=float, default=2.0, help="deadline for loading the context's KV, in seconds")
-    p.add_argument("--seed", type=int, default=1)
+    options.model(p)
+    options.store(p)
+    options.chunk_tokens(p)
+    options.context_tokens(p, 4000)
+    options.bandwidth_gbps(p, 0.1)
+    options.slo_s(p, 2.0)
+    p.add_argument("--seed", type=int, default=1, help="picks the document and the secret number (default 1)")
+    options.add_json(p, "both answers, their TTFTs, the levels chosen and the sizes")
     p.set_defaults(func=run)
 
 
@@ -39,14 +44,17 @@ def run(args: argparse.Namespace) -> int:
     from cachegen.stream import ThrottledLink, constant
     from cachegen.stream.costs import TEXT
 
+    checks.context_length(args.model, args.context_tokens, "--context-tokens")
+    checks.store(args.store)
+
     say = lambda *a: print(*a, flush=True)  # noqa: E731
     say(f"cachegen demo: model {args.model}, store {args.store or 'local (default)'}")
-    with Engine.open(args.model, args.store, progress=True) as eng:
+    with Engine.open(args.model, args.store, chunk_tokens=args.chunk_tokens, progress=True) as eng:
         case = corpus.needle_case(eng.tokenizer, args.context_tokens, seed=args.seed)
         n_ctx = len(case.context_ids)
         say(f"context: {n_ctx} tokens of real text (pydoc topics) with a secret number at depth {case.depth:.0%}")
 
-        ing = eng.ingest(case.context_ids, progress=sys.stderr.isatty())
+        ing = eng.ingest(case.context_ids, progress=True)
         if ing.written:
             say(f"stored {ing.written} chunks at levels {list(eng.store.levels)}: "
                 f"prefill {ing.prefill_s:.2f}s, encode {ing.encode_s:.2f}s")
@@ -60,11 +68,23 @@ def run(args: argparse.Namespace) -> int:
             f"secret {case.answer})")
         say(f"    time to first token: {a.ttft_s:.2f}s")
 
-        slo = args.slo
-        say(f"\n[2] cachegen: stream the stored KV over a {args.gbps * 1000:.0f} Mbps link, deadline {slo:.2f}s")
-        link = ThrottledLink(constant(args.gbps))
+        slo = args.slo_s
+        say(f"\n[2] cachegen: stream the stored KV over a {args.bandwidth_gbps * 1000:.0f} Mbps link, "
+            f"deadline {slo:.2f}s")
+        link = ThrottledLink(constant(args.bandwidth_gbps))
         b = eng.generate(case.context_ids, case.question_ids, use_cache=True, slo_s=slo, link=link)
         res = b.load
+        report: dict = {"model": eng.lm.name, "context_tokens": n_ctx, "secret": case.answer,
+                        "chunk_tokens": args.chunk_tokens, "bandwidth_gbps": args.bandwidth_gbps, "slo_s": slo,
+                        "recompute": {"answer": a.text.strip(), "correct": corpus.is_correct(a.text, case),
+                                      "ttft_s": a.ttft_s},
+                        "cachegen": {"answer": b.text.strip(), "correct": corpus.is_correct(b.text, case),
+                                     "ttft_s": b.ttft_s}}
+        if res is not None:
+            report["cachegen"].update(
+                levels=[None if d.choice == TEXT else d.choice for d in res.decisions],
+                bytes=sum(d.bytes for d in res.decisions), load_s=res.load_s, missed=res.missed,
+                faults=list(res.faults))
         if res is not None and res.decisions:
             picks = " ".join("text" if d.choice == TEXT else f"L{d.choice}" for d in res.decisions)
             say(f"    level per chunk: {picks}")
@@ -79,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
         plan = eng.store.plan(case.context_ids)
         values = n_ctx * values_per_token(eng.lm.config)
         say(f"\nKV size for {n_ctx} tokens ({values / 1e6:.1f} M values): bf16 {_mib(values * 2)}")
+        report["sizes"] = {"values": values, "bf16_bytes": values * 2, "levels": {}}
         for lv in eng.store.levels:
             total = sum(i.sizes.get(lv, 0) for i in plan)
             say(f"    level {lv}: {_mib(total)}  ({total * 8 / values:.2f} bits/value)")
+            report["sizes"]["levels"][str(lv)] = total
+    write_json(report, args.json)
     return 0

