@@ -134,6 +134,10 @@ class Backend(ABC):
     def has(self, key: str) -> bool:
         return bool(self.sizes(key))
 
+    def ping(self, *, timeout: float | None = None) -> None:
+        """One cheap read: raises ``StoreUnavailable`` if the store does not answer within ``timeout``."""
+        self.sizes_many(["0" * 64], timeout=timeout)
+
     @abstractmethod
     def tokens(self, key: str) -> bytes:
         """The chunk's token ids (uint32 LE bytes); raises ChunkNotFound."""

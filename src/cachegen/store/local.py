@@ -164,19 +164,21 @@ class LocalBackend(Backend):
         os.replace(tmp, self.root / MARKER)  # concurrent creators write the same content
 
     # -- connection and transactions -----------------------------------------
-    def _db(self) -> sqlite3.Connection:
+    def _db(self, d: Deadline | None = None) -> sqlite3.Connection:
         """One connection per thread and process (a forked child must not reuse its parent's)."""
         db = getattr(self._local, "db", None)
         if db is None or self._local.pid != os.getpid():
+            wait = self.busy_timeout if d is None or d.end is None else min(self.busy_timeout, d.end - time.monotonic())
+            give_up = time.monotonic() + wait
             # switching a new index to WAL needs an exclusive lock that sqlite's busy timeout does not
             # wait for: two processes opening a new store at once saw "database is locked" at once
-            give_up = time.monotonic() + self.busy_timeout
             while True:
                 db = None
                 try:
-                    db = sqlite3.connect(self.root / INDEX, timeout=self.busy_timeout, isolation_level=None)
+                    db = sqlite3.connect(self.root / INDEX, timeout=max(0.001, wait), isolation_level=None)
                     db.execute("PRAGMA journal_mode=WAL")
                     db.execute("PRAGMA synchronous=NORMAL")
+                    db.execute(f"PRAGMA busy_timeout={int(1000 * self.busy_timeout)}")
                     break
                 except sqlite3.Error as e:
                     if db is not None:
@@ -262,8 +264,10 @@ class LocalBackend(Backend):
     def _bounded(self, d: Deadline | None) -> Iterator[sqlite3.Connection]:
         """The connection, with sqlite's lock waits and queries cut off at the deadline ``d``."""
         try:
-            db = self._db()
+            db = self._db(d)
         except sqlite3.Error as e:
+            if d is not None and d.end is not None and (time.monotonic() >= d.end or "locked" in str(e)):
+                raise StoreUnavailable(f"{self.url} did not answer within {d.timeout:.3g} s: {e}") from e
             raise StoreError(f"cannot open store index {self.root / INDEX}: {e}") from e
         if d is None or d.end is None:
             yield db
@@ -319,9 +323,12 @@ class LocalBackend(Backend):
                     self._make_room(db, need, keep=w.key)
                     if db.execute("SELECT 1 FROM chunks WHERE key=?", (w.key,)).fetchone():
                         db.execute(
+                            # a row rebuilt from the blobs lacks tokens, start and prev: fill them in
                             "UPDATE chunks SET last_access=?, ends_context=MAX(ends_context, ?), "
-                            "prev=CASE WHEN prev='' THEN ? ELSE prev END WHERE key=?",
-                            (now, int(w.ends_context), w.prev, w.key),
+                            "prev=CASE WHEN prev='' THEN ? ELSE prev END, "
+                            "start=CASE WHEN length(tokens)=0 THEN ? ELSE start END, "
+                            "tokens=CASE WHEN length(tokens)=0 THEN ? ELSE tokens END WHERE key=?",
+                            (now, int(w.ends_context), w.prev, w.start, w.tokens, w.key),
                         )
                     else:
                         db.execute(
