@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
+
+# test helpers shared across folders import as packages under tests/ (e.g. ``from stream.fakes import ToyCodec``)
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,10 @@ import torch
 from cachegen.errors import ChunkNotFound, StoreUnavailable
 from cachegen.kv import KVCache
 from cachegen.store import ContextStore, Namespace, open_backend
-from cachegen.stream import (ChunkDecision, CostModel, LoadResult, StreamingLoader, ThrottledLink, ThroughputEstimator,
-                             constant, step)
+from cachegen.stream import (CostModel, LoaderOptions, StreamingLoader, ThrottledLink, ThroughputEstimator, constant,
+                             step)
 from cachegen.stream.costs import TEXT
-from cachegen.stream.fakes import FaultyStore, ToyCodec, ToyModel
+from stream.fakes import FaultyStore, ToyCodec, ToyModel
 
 CHUNK = 32
 N_TOKENS = 6 * CHUNK + 10  # six full chunks and a partial one
@@ -33,6 +33,15 @@ def setup(tmp_path):
     store.backend.close()
 
 
+COLLABORATORS = ("costs", "link", "estimator", "clock", "runner")
+
+
+def make_loader(store, codec, recompute, **kw) -> StreamingLoader:
+    """A loader from one set of keywords: collaborators go to the constructor, the rest into LoaderOptions."""
+    collab = {k: kw.pop(k) for k in COLLABORATORS if k in kw}
+    return StreamingLoader(store, codec, recompute, LoaderOptions(**kw), **collab)
+
+
 def assert_same(a: KVCache, b: KVCache, atol=0.0):
     assert (a.start, a.end) == (b.start, b.end)
     for x, y in zip(a.layers, b.layers):
@@ -41,7 +50,7 @@ def assert_same(a: KVCache, b: KVCache, atol=0.0):
 
 def test_lossless_load_equals_cache(setup):
     model, codec, store, tokens, kv = setup
-    loader = StreamingLoader(store, codec, model.recompute, policy=0)
+    loader = make_loader(store, codec, model.recompute, policy=0)
     longer = loader.load(tokens + [1, 2, 3])  # the partial last chunk's key covers other tokens
     assert longer.cached_tokens == 6 * CHUNK
     res = loader.load(tokens)
@@ -54,20 +63,20 @@ def test_lossless_load_equals_cache(setup):
 
 def test_nothing_cached(setup):
     model, codec, store, tokens, kv = setup
-    res = StreamingLoader(store, codec, model.recompute).load([500, 501, 502] * 20)
+    res = make_loader(store, codec, model.recompute).load([500, 501, 502] * 20)
     assert res.kv is None and res.cached_tokens == 0 and res.decisions == []
 
 
 def test_lossy_levels_close(setup):
     model, codec, store, tokens, kv = setup
-    res = StreamingLoader(store, codec, model.recompute, policy=2).load(tokens)
+    res = make_loader(store, codec, model.recompute, policy=2).load(tokens)
     assert res.choices == [2] * 7
     assert_same(res.kv, kv, atol=0.05)
 
 
 def test_text_policy_equals_recompute(setup):
     model, codec, store, tokens, kv = setup
-    res = StreamingLoader(store, codec, model.recompute, policy=TEXT).load(tokens)
+    res = make_loader(store, codec, model.recompute, policy=TEXT).load(tokens)
     assert res.choices == [TEXT] * 7
     assert_same(res.kv, kv)
 
@@ -77,7 +86,7 @@ def test_text_policy_equals_recompute(setup):
 def test_fault_recomputes_rest(setup, fault, at):
     model, codec, store, tokens, kv = setup
     faulty = FaultyStore(store, {at: fault})
-    res = StreamingLoader(faulty, codec, model.recompute, policy=0).load(tokens)
+    res = make_loader(faulty, codec, model.recompute, policy=0).load(tokens)
     assert len(res.faults) == 1 and f"chunk {at}" in res.faults[0]
     assert res.choices == [0] * at + [TEXT] * (7 - at)
     assert res.decisions[at].reason == "fault"
@@ -90,23 +99,39 @@ def test_fault_recomputes_rest(setup, fault, at):
 def test_fault_after_lossy_prefix_never_keeps_bad_chunk(setup):
     model, codec, store, tokens, kv = setup
     faulty = FaultyStore(store, {2: "corrupt"})
-    res = StreamingLoader(faulty, codec, model.recompute, policy=3).load(tokens)
+    res = make_loader(faulty, codec, model.recompute, policy=3).load(tokens)
     good = KVCache.concat([codec.decode(store.get(i.ref, 3)) for i in store.plan(tokens)[:2]])
     expect = KVCache.concat([good, model.recompute(good, tokens[2 * CHUNK:])])
     assert_same(res.kv, expect)
 
 
-def test_wrong_position_is_a_fault(setup):
+class _KeylessCodec:
+    """Decodes without checking the key (a codec that predates key binding): only the loader's
+    own position check can catch a swapped chunk."""
+
+    def __init__(self, codec):
+        self.codec, self.levels = codec, codec.levels
+
+    def decode(self, data):
+        return self.codec.decode(data)
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_wrong_position_is_a_fault(setup, keyed):
     model, codec, store, tokens, kv = setup
 
     class Shifted(FaultyStore):
-        def get(self, ref, level):
+        def get(self, ref, level, *, timeout=None):
             if ref.index == 2:  # valid bytes, but of chunk 1
                 return self.store.get(self.store.plan(tokens)[1].ref, level)
             return self.store.get(ref, level)
 
-    res = StreamingLoader(Shifted(store), codec, model.recompute, policy=0).load(tokens)
-    assert res.decisions[2].reason == "fault" and "expected [64, 96)" in res.faults[0]
+    res = make_loader(Shifted(store), codec if keyed else _KeylessCodec(codec), model.recompute, policy=0).load(tokens)
+    assert res.decisions[2].reason == "fault" and len(res.faults) == 1
+    if keyed:  # the chunk carries its key's digest
+        assert "KeyMismatch" in res.faults[0]
+    else:  # the loader checks the decoded position against the plan
+        assert "expected [64, 96)" in res.faults[0]
     assert_same(res.kv, kv)
 
 
@@ -121,7 +146,7 @@ def test_missing_in_plan_is_recomputed_and_later_chunks_fetched(setup, tmp_path)
     raw = token_bytes(tokens)
     other.backend.put_chunks([ChunkWrite(r.key, raw[r.start * 4:r.end * 4], {0: store.get(r, 0)}, start=r.start)
                               for r in refs if r.index != 2])
-    res = StreamingLoader(other, codec, model.recompute, policy="adaptive", slo_s=10).load(tokens)
+    res = make_loader(other, codec, model.recompute, policy="adaptive", slo_s=10).load(tokens)
     assert res.decisions[2].choice == TEXT and res.decisions[2].reason == "not stored"
     assert all(d.choice != TEXT for k, d in enumerate(res.decisions) if k != 2)
     assert_same(res.kv, kv, atol=0.02)
@@ -132,7 +157,7 @@ def test_pipeline_overlaps_fetch_and_decode(setup):
     model, codec, store, tokens, kv = setup
     slow_codec = ToyCodec(delay_s_per_mvalue=15.0)  # ~0.03 s per chunk, sleeping (releases the GIL)
     link = ThrottledLink(constant(0.0005))  # 0.5 Mbit/s: level 1 chunk (~2 KB) ~0.03 s
-    res = StreamingLoader(store, slow_codec, model.recompute, policy=1, link=link).load(tokens)
+    res = make_loader(store, slow_codec, model.recompute, policy=1, link=link).load(tokens)
     ds = res.decisions
     # chunk i+1 was being fetched while chunk i was decoding
     overlaps = sum(1 for a, b in zip(ds, ds[1:]) if b.fetch_start < a.decode_end and b.fetch_end > a.decode_start)
@@ -150,7 +175,7 @@ def test_adaptive_meets_deadline_and_reacts_to_drop(setup):
     costs = CostModel(fetch_latency_s=0.0005, recompute_s_per_token=1e-3)
     slo = 0.12
     # in chunk order (no recency boost: with it the last chunk, on the slow side, is fetched first)
-    loader = StreamingLoader(store, codec, model.recompute, costs=costs, link=link, estimator=est, slo_s=slo,
+    loader = make_loader(store, codec, model.recompute, costs=costs, link=link, estimator=est, slo_s=slo,
                              recency_boost=0)
     res = loader.load(tokens)
     ch = res.choices
@@ -166,7 +191,7 @@ def test_rule_policy_equal_share(setup):
     model, codec, store, tokens, kv = setup
     link = ThrottledLink(constant(0.002))  # 2 Mbps
     est = ThroughputEstimator(prior_gbps=0.002, min_bytes=0)
-    loader = StreamingLoader(store, codec, model.recompute, link=link, estimator=est, policy="rule", slo_s=0.07,
+    loader = make_loader(store, codec, model.recompute, link=link, estimator=est, policy="rule", slo_s=0.07,
                              costs=CostModel(fetch_latency_s=0.0))
     res = loader.load(tokens)
     # share 0.01 s = 2.5 KB at 2 Mbps: lossless (~8 KB) never fits, the smallest levels do
@@ -177,7 +202,7 @@ def test_rule_policy_equal_share(setup):
 
 def test_result_json(setup):
     model, codec, store, tokens, kv = setup
-    res = StreamingLoader(store, codec, model.recompute, policy=1).load(tokens)
+    res = make_loader(store, codec, model.recompute, policy=1).load(tokens)
     d = res.to_json()
     assert d["cached_tokens"] == N_TOKENS and len(d["decisions"]) == 7
     assert {"index", "choice", "bytes", "fetch_s", "decode_s", "est_gbps"} <= set(d["decisions"][0])
@@ -186,18 +211,19 @@ def test_result_json(setup):
 
 def test_real_codec_through_local_store(tmp_path):
     """The project's codec (self-contained tables) and the local store, with a fault."""
-    codec_mod = pytest.importorskip("cachegen.codec")
-    codec = codec_mod.Codec(None)
+    from cachegen.codec import Codec
+
+    codec = Codec(None)
     model = ToyModel(layers=2, heads=2, head_dim=16)
     tokens = [(11 * i + 5) % 97 for i in range(4 * CHUNK)]
     kv = model.full(tokens, CHUNK)
     store = ContextStore(open_backend(f"file://{tmp_path / 's'}"), Namespace("toy", 1, "none"), codec, chunk_tokens=CHUNK)
     store.put_context(tokens, kv, levels=[0, 1])
     try:
-        res = StreamingLoader(store, codec, model.recompute, policy=0).load(tokens)
+        res = make_loader(store, codec, model.recompute, policy=0).load(tokens)
         assert res.choices == [0] * 4 and not res.faults
         assert_same(res.kv, kv)  # level 0 is bit-exact
-        res = StreamingLoader(FaultyStore(store, {1: "corrupt"}), codec, model.recompute, policy=1).load(tokens)
+        res = make_loader(FaultyStore(store, {1: "corrupt"}), codec, model.recompute, policy=1).load(tokens)
         assert res.choices[1:] == [TEXT] * 3 and res.faults
         good = codec.decode(store.get(store.plan(tokens)[0].ref, 1))
         assert_same(res.kv, KVCache.concat([good, model.recompute(good, tokens[CHUNK:])]))
@@ -208,13 +234,13 @@ def test_real_codec_through_local_store(tmp_path):
 def test_cold_estimator_probes_then_persists_across_loads(setup):
     model, codec, store, tokens, kv = setup
     est = ThroughputEstimator(min_bytes=0)  # no prior: cold
-    loader = StreamingLoader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
+    loader = make_loader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
                              slo_s=5.0, costs=CostModel(fetch_latency_s=0.0))
     first = loader.load(tokens)
     sizes = store.plan(tokens)[0].sizes
     assert first.choices[0] == min(sizes, key=lambda l: (sizes[l], -l))  # the smallest payload: a probe
     assert first.choices[1] == 0  # then measured: lossless fits
-    again = StreamingLoader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
+    again = make_loader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
                             slo_s=5.0, costs=CostModel(fetch_latency_s=0.0)).load(tokens)
     assert again.choices[0] == 0  # the estimate carried over: no probe
 
@@ -222,7 +248,7 @@ def test_cold_estimator_probes_then_persists_across_loads(setup):
 def test_rule_after_text_probes_in_loader(setup):
     model, codec, store, tokens, kv = setup
     est = ThroughputEstimator(prior_gbps=1e-6, min_bytes=0)  # believed far too slow: text first
-    res = StreamingLoader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
+    res = make_loader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
                           policy="rule", slo_s=1.0, costs=CostModel(fetch_latency_s=0.0)).load(tokens)
     assert res.choices[0] == TEXT and res.choices[1] != TEXT  # not stranded on text
     assert TEXT not in res.choices[2:], res.choices
@@ -231,7 +257,7 @@ def test_rule_after_text_probes_in_loader(setup):
 def _warm_adaptive(store, codec, model, **kw):
     """An adaptive loader with a warm estimator on a fast link: it fetches the last chunk first."""
     est = ThroughputEstimator(prior_gbps=1.0, min_bytes=0)
-    return StreamingLoader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
+    return make_loader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
                            slo_s=5.0, costs=CostModel(fetch_latency_s=0.0), **kw)
 
 
@@ -262,7 +288,7 @@ def test_fault_on_the_early_last_chunk_recomputes_only_it(setup, fault):
 def test_planned_recompute_of_the_last_chunk_waits_for_the_others(setup):
     model, codec, store, tokens, kv = setup
     est = ThroughputEstimator(prior_gbps=1e-6, min_bytes=0)  # a dead link: recompute beats any fetch
-    res = StreamingLoader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est, slo_s=5.0,
+    res = make_loader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est, slo_s=5.0,
                           costs=CostModel(fetch_latency_s=0.0)).load(tokens)
     assert res.decisions[6].choice == TEXT and res.decisions[6].reason == "planned"
     assert_same(res.kv, kv, atol=0.05)

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from cachegen.stream.netns import available
+from cachegen.bench.netns import available
 
 ok, why = available()
 pytestmark = [pytest.mark.redis, pytest.mark.skipif(not ok, reason=f"netns link unavailable: {why}")]
@@ -12,9 +12,9 @@ pytestmark = [pytest.mark.redis, pytest.mark.skipif(not ok, reason=f"netns link 
 
 def test_netns_redis_rate_and_loader(tmp_path):
     from cachegen.store import ContextStore, Namespace, open_backend
-    from cachegen.stream import StreamingLoader, step
-    from cachegen.stream.fakes import ToyCodec, ToyModel
-    from cachegen.stream.netns import NetnsLink, NetnsRedis
+    from cachegen.stream import LoaderOptions, StreamingLoader, step
+    from stream.fakes import ToyCodec, ToyModel
+    from cachegen.bench.netns import NetnsLink, NetnsRedis
 
     with NetnsRedis(gbps=1.0, port=6397) as n:
         model, codec = ToyModel(heads=4, head_dim=64), ToyCodec()
@@ -23,7 +23,7 @@ def test_netns_redis_rate_and_loader(tmp_path):
         store = ContextStore(open_backend(n.url), Namespace("toy", 1, "netns"), codec, chunk_tokens=64)
         store.put_context(tokens, kv, levels=[0])
         link = NetnsLink(n, step(4, before=1.0, after=0.01))  # 10 Mbit/s from chunk 2
-        res = StreamingLoader(store, codec, model.recompute, policy=0, link=link).load(tokens)
+        res = StreamingLoader(store, codec, model.recompute, LoaderOptions(policy=0), link=link).load(tokens)
         assert res.choices == [0] * 4 and not res.faults
         assert n.gbps == 0.01
         # the tc change took effect (chunk 2 partly rides on the tbf burst)
@@ -37,7 +37,7 @@ def test_netns_shapes_both_ways_and_cleans_up():
     import redis
 
     from cachegen.errors import ConfigError
-    from cachegen.stream.netns import NetnsRedis
+    from cachegen.bench.netns import NetnsRedis
 
     data = os.urandom(1_500_000)
     with NetnsRedis(gbps=10.0, port=6398) as n:

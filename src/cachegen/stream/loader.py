@@ -1,38 +1,108 @@
 """The streaming loader: fetch, decode and stitch a stored prefix before a deadline.
 
-Two threads form a pipeline. The *fetch* thread decides each chunk's level (or
-text) with the planner, fetches it through the link and measures throughput;
-the calling thread decodes (the numba decoder releases the GIL) or recomputes
-chunks in order, so chunk ``i + 1`` is on the wire while chunk ``i`` decodes.
+Two stages form a pipeline (scheduled by a :class:`~cachegen.stream.pipeline.Runner`:
+threads in real time, events in virtual time). The *fetch* stage asks the store
+for the plan, decides each chunk's level (or text) with the planner, fetches it
+through the link and measures throughput; the *compute* stage decodes (the numba
+decoder releases the GIL) or recomputes chunks in order, so chunk ``i + 1`` is on
+the wire while chunk ``i`` decodes. The stages exchange typed messages
+(:class:`Planned`, :class:`Fetched`, :class:`TextChosen`, :class:`FetchFailed`, ...).
 
-Faults: a store timeout or connection loss, a missing chunk, a corrupt payload
-or a decoded chunk whose position or shape does not match the plan stops the
-fetching; that chunk and every later one are recomputed from text on top of
-the good prefix. A chunk that failed is never part of the result.
+Faults: any exception from the plan, a fetch or a decode (a store timeout or
+connection loss, a missing chunk, a corrupt or foreign payload, a decoded chunk
+whose position or shape does not match the plan, ``MemoryError``, a bug), and a
+store that does not answer by the deadline, stop the fetching; that chunk and every
+later one are recomputed from text on top of the good prefix. A chunk that failed
+is never part of the result. Every fault is logged (redacted) and listed in
+:attr:`LoadResult.faults`.
 """
 
 from __future__ import annotations
 
-import queue
+import inspect
+import logging
+import math
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import torch
 
-from cachegen.errors import CachegenError, ConfigError, CorruptChunk, LoaderError, StoreError
+from cachegen.errors import ConfigError, CorruptChunk, LoaderError
 from cachegen.kv import KVCache
+from cachegen.store.url import redact
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import DirectLink
+from cachegen.stream.pipeline import Call, ProducerEnded, Receive, Runner, Send, Stage, StopProducer, ThreadedRunner
 from cachegen.stream.planner import (RECENCY_BOOST, RISK_QUANTILE, Choice, PlanChunk, decide, fetch_order,
                                      with_recency_boost)
+from cachegen.stream.protocols import ChunkInfoLike, ChunkRefLike, ChunkSource, Clock, Link, Recompute
 
-Recompute = Callable[[Union[KVCache, None], list], KVCache]
+if TYPE_CHECKING:
+    from cachegen.codec import ChunkCodec
+
+log = logging.getLogger(__name__)
 
 ADAPTIVE = "adaptive"
 RULE = "rule"
+Policy = Union[str, int]  # ADAPTIVE, RULE, TEXT, or a fixed level
+
+MIN_STORE_TIMEOUT_S = 0.001  # a store call is never given less (a timeout <= 0 is not a timeout)
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How a :class:`StreamingLoader` plans.
+
+    ``policy``: ``"adaptive"``, ``"rule"`` (CacheGen's equal-share rule), a fixed level
+    (chunks not stored at it are recomputed), or ``"text"``. ``slo_s``: the load's deadline
+    (None: none, every chunk at its best level). ``reserve_s``: time kept back from the
+    deadline for what follows the load (the suffix prefill). ``levels``: the levels it may
+    use (None: every stored one). ``prefetch``: fetched payloads that may wait for the
+    compute stage; a deep queue lets fast fetches run ahead so that a later slow one is
+    hidden behind decoding (8 chunks of 256 tokens at the best level are ~20 MB for
+    SmolLM2). ``safety``: the plan must end within this fraction of the time left.
+    ``risk_quantile`` (off by default: measured not to pay on the random trace): the
+    adaptive plan must finish by the deadline in this fraction of the futures drawn from
+    the estimator's history (:func:`~cachegen.stream.planner.choose_adaptive`).
+    ``recency_boost``: the adaptive plan gives the last chunk (next to the prompt's
+    uncached rest) this many levels better than the others and fetches it first
+    (:func:`~cachegen.stream.planner.with_recency_boost`); 0 = an even plan, in order.
+    ``dtype``: of the stitched cache (None: the decoded chunks'). ``values_per_token``: K
+    and V values per token over all layers, for the decode-cost model (None: the plan
+    counts only the fixed part of each decode)."""
+
+    policy: Policy = ADAPTIVE
+    slo_s: float | None = 1.0
+    reserve_s: float = 0.0
+    levels: tuple[int, ...] | None = None
+    prefetch: int = 8
+    safety: float = 0.95
+    risk_quantile: float | None = None
+    recency_boost: int = RECENCY_BOOST
+    dtype: torch.dtype | None = None
+    values_per_token: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.policy in (ADAPTIVE, RULE, TEXT) or (isinstance(self.policy, int) and self.policy >= 0)):
+            raise ConfigError(f"unknown policy {self.policy!r}: use adaptive, rule, text or a level")
+        if self.slo_s is not None and not self.slo_s > 0:
+            raise ConfigError(f"slo_s must be positive (or None for no deadline), not {self.slo_s}")
+        if self.reserve_s < 0:
+            raise ConfigError("reserve_s must be >= 0")
+        if self.prefetch < 1:
+            raise ConfigError("prefetch must be >= 1")
+        if not 0.0 < self.safety <= 1.0:
+            raise ConfigError("safety must be in (0, 1]")
+        if self.risk_quantile is not None and not 0.0 < self.risk_quantile < 1.0:
+            raise ConfigError("risk_quantile must be in (0, 1)")
+        if self.recency_boost < 0:
+            raise ConfigError("recency_boost must be >= 0")
+        if self.levels is not None:
+            object.__setattr__(self, "levels", tuple(int(l) for l in self.levels))
 
 
 @dataclass
@@ -52,10 +122,10 @@ class ChunkDecision:
     fetch_end: float | None = None
     decode_start: float | None = None
     decode_end: float | None = None
-    reason: str = ""  # why text: "planned", "not stored", or the fault
+    reason: str = ""  # why text: "planned", "not stored", "fault" or "after fault"
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
+        return dict(self.__dict__)
 
 
 @dataclass
@@ -95,285 +165,387 @@ class LoadResult:
         }
 
 
-FETCH_FAULTS = (StoreError, CorruptChunk, OSError, TimeoutError, ConnectionError)
+# -- the messages between the stages ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """The store's answer, as both stages use it: chunks in order, the fetch order, deadlines."""
+
+    infos: list[ChunkInfoLike]
+    chunks: list[PlanChunk]
+    order: list[int]  # positions in fetch order
+    early: int | None  # the position fetched out of order (the last chunk), or None
+    deadline: float  # clock time by which the last decode must end (the stitch comes after)
+
+
+@dataclass(frozen=True)
+class Planned:
+    plan: LoadPlan
+
+
+@dataclass(frozen=True)
+class PlanFailed:
+    fault: str
+    error: Exception | None = None  # a ConfigError (a user's mistake, e.g. a chunk size mismatch) is raised
+
+
+@dataclass(frozen=True)
+class Fetched:
+    pos: int
+    level: int
+    est_gbps: float
+    fetch_start: float
+    fetch_end: float
+    data: bytes
+    measured_gbps: float | None
+
+
+@dataclass(frozen=True)
+class TextChosen:
+    pos: int
+    est_gbps: float
+    reason: str  # "planned" or "not stored"
+
+
+@dataclass(frozen=True)
+class FetchFailed:
+    pos: int
+    level: int
+    est_gbps: float
+    fetch_start: float
+    fetch_end: float
+    fault: str
+
+
+def _describe(where: str, e: BaseException) -> str:
+    return redact(f"{where}: {type(e).__name__}: {e}")
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` takes keyword ``name`` (collaborators that predate a keyword still work)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+class _CpuBook:
+    """Compute work the planner counts as committed: the item in progress (until its predicted
+    end) plus the predicted cost of queued items. Written by both stages."""
+
+    def __init__(self, clock: Clock, t0: float):
+        self.clock = clock
+        self._busy_until = t0
+        self._queued = 0.0
+        self._lock = threading.Lock()
+
+    def busy(self) -> float:
+        with self._lock:
+            return max(self._busy_until - self.clock(), 0.0) + self._queued
+
+    def queued(self, cost: float) -> None:
+        with self._lock:
+            self._queued += cost
+
+    def started(self, cost: float) -> None:
+        with self._lock:
+            self._queued = max(self._queued - cost, 0.0)
+            self._busy_until = self.clock() + cost
 
 
 class StreamingLoader:
-    """Load the cached prefix of a prompt from ``store`` within ``slo_s`` seconds.
+    """Load the cached prefix of a prompt from ``store`` before a deadline.
 
-    ``store``: has ``plan(tokens) -> [ChunkInfo(ref, sizes)]`` and ``get(ref, level) -> bytes``
-    (a :class:`cachegen.store.ContextStore`). ``codec``: has ``decode(bytes) -> KVCache``.
-    ``recompute(prefix, token_ids) -> KVCache``: the KV of ``token_ids`` after ``prefix``
-    (from the engine). ``policy``: ``"adaptive"``, ``"rule"`` (CacheGen's equal-share rule),
-    a fixed level (int; chunks not stored at it are recomputed), or ``"text"``.
-    ``reserve_s``: time kept back from the SLO for what follows the load (suffix prefill).
-    ``estimator``: pass the same one to every load over a link (the next load starts from
-    what the last one measured); a fresh one without a prior makes the first chunk a probe
-    at the smallest level. ``prefetch``: fetched payloads that may wait for the compute stage;
-    a deep queue lets fast fetches run ahead so that a later slow one is hidden behind decoding
-    (8 chunks of 256 tokens at the best level are ~20 MB for SmolLM2). ``risk_quantile`` (off by
-    default: measured not to pay on the random trace): the adaptive plan must finish by the
-    deadline in this fraction of the futures drawn from the estimator's history (see
-    :func:`~cachegen.stream.planner.choose_adaptive`, docs/streaming.md). ``recency_boost``: the
-    adaptive plan gives the last chunk (the one next to the prompt's uncached rest) this many
-    levels better than the others (:func:`~cachegen.stream.planner.with_recency_boost`) and is
-    fetched first (:func:`~cachegen.stream.planner.fetch_order`); 0 = an even plan, in order.
-    """
+    Collaborators: ``store`` (:class:`~cachegen.stream.protocols.ChunkSource`), ``codec``
+    (decodes chunks: ``cachegen.codec.ChunkCodec``), ``recompute`` (the model:
+    ``recompute(prefix, token_ids) -> KVCache``), ``costs`` (the planner's cost model),
+    ``link`` (how bytes cross the network; default: direct), ``estimator`` (pass the same
+    one to every load over a link: the next load starts from what the last one measured;
+    a fresh one without a prior makes the first chunk a probe at the smallest level),
+    ``clock`` and ``runner`` (real time and threads by default; the replay passes a
+    :class:`~cachegen.stream.pipeline.VirtualClock` and a
+    :class:`~cachegen.stream.pipeline.VirtualRunner`). ``options``: :class:`LoaderOptions`.
+    A loader holds no per-load state: :meth:`load` may be called again, or from several
+    threads (they share the estimator and the link)."""
 
-    def __init__(self, store, codec, recompute: Recompute, costs: CostModel | None = None, slo_s: float | None = 1.0,
-                 link=None, policy: Union[str, int] = ADAPTIVE, estimator: ThroughputEstimator | None = None,
-                 levels: Sequence[int] | None = None, prefetch: int = 8, reserve_s: float = 0.0,
-                 safety: float = 0.95, dtype: torch.dtype | None = None, values_per_token: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter, risk_quantile: float | None = None,
-                 recency_boost: int = RECENCY_BOOST):
-        if prefetch < 1:
-            raise ConfigError("prefetch must be >= 1")
-        if risk_quantile is not None and not 0.0 < risk_quantile < 1.0:
-            raise ConfigError("risk_quantile must be in (0, 1)")
-        if not (policy in (ADAPTIVE, RULE, TEXT) or isinstance(policy, int)):
-            raise ConfigError(f"unknown policy {policy!r}")
+    def __init__(self, store: ChunkSource, codec: ChunkCodec, recompute: Recompute,
+                 options: LoaderOptions | None = None, *, costs: CostModel | None = None, link: Link | None = None,
+                 estimator: ThroughputEstimator | None = None, clock: Clock = time.perf_counter,
+                 runner: Runner | None = None):
         self.store, self.codec, self.recompute = store, codec, recompute
+        self.options = options or LoaderOptions()
         self.costs = costs or CostModel()
-        self.slo_s = slo_s
-        self.link = link or DirectLink()
-        self.policy = policy
+        self.link: Link = link or DirectLink()
         self.estimator = estimator or ThroughputEstimator()
-        self.levels = tuple(levels) if levels is not None else None
-        self.prefetch = prefetch
-        self.reserve_s = reserve_s
-        self.safety = safety
-        self.risk_quantile = risk_quantile
-        self.recency_boost = max(0, int(recency_boost))
-        self.dtype = dtype
         self.clock = clock
-        self._values_per_token = values_per_token
-        self._cpu_lock = threading.Lock()
+        self.runner: Runner = runner or ThreadedRunner(clock)
+        self._plan_timeout = _accepts(store.plan, "timeout")
+        self._get_timeout = _accepts(store.get, "timeout")
+        self._decode_key = _accepts(codec.decode, "key")
 
-    # -- helpers -------------------------------------------------------------
-    def _plan_chunks(self, tokens, num_values_per_token: int | None) -> tuple[list, list[PlanChunk]]:
-        infos = list(self.store.plan(tokens))
-        last = max((i for i, inf in enumerate(infos) if inf.sizes), default=-1)
-        infos = infos[: last + 1]
-        vpt = num_values_per_token or self._values_per_token
-        chunks = [PlanChunk(inf.ref.index, inf.ref.start, inf.ref.end - inf.ref.start,
-                            (inf.ref.end - inf.ref.start) * (vpt or 0),
-                            {l: s for l, s in inf.sizes.items() if self.levels is None or l in self.levels})
-                  for inf in infos]
-        chunks = with_recency_boost(chunks, self.recency_boost)
-        return infos, chunks
+    def load(self, tokens: Sequence[int], *, slo_s: float | None = None, t0: float | None = None) -> LoadResult:
+        """The KV of the longest cached prefix of ``tokens`` (``kv=None`` when nothing is cached).
 
-    _values_per_token: int | None = None  # learnt from the first decoded chunk
+        ``slo_s``: this load's deadline instead of the options' (the loader is not changed);
+        ``t0``: when the request began, if before this call (the deadline counts from it)."""
+        slo = self.options.slo_s if slo_s is None else slo_s
+        if slo is not None and not slo > 0:
+            raise ConfigError(f"slo_s must be positive, not {slo}")
+        run = _Load(self, list(tokens), slo, self.clock() if t0 is None else t0)
+        return self.runner.run(run.fetch_stage(), run.compute_stage(), self.options.prefetch)
 
-    def _choose(self, remaining: list[PlanChunk], n_chunks: int, deadline: float, cpu_busy: float,
-                prev: Choice | None = None) -> tuple[Choice, float]:
-        e = self.estimator
-        g, last = e.next_estimate(first_of_load=prev is None), e.last()
-        share = max(self.slo_s - self.reserve_s, 0.0) / n_chunks if self.slo_s is not None else None
-        choice = decide(self.policy, remaining, self.costs,
-                        time_left_s=None if self.slo_s is None else deadline - self.clock(), cpu_busy_s=cpu_busy,
-                        est_gbps=g, last_gbps=last, tail_gbps=e.tail_estimate(), known=e.known,
-                        history_s_per_bit=e.s_per_bit_history() if self.risk_quantile else None,
-                        risk_quantile=self.risk_quantile or RISK_QUANTILE, share_s=share,
-                        prev=prev, allowed=self.levels, safety=self.safety)
-        return choice, (last if self.policy == RULE else g)
+    # -- store calls (each bounded by the time left) -------------------------------------
+    def _store_timeout(self, until: float) -> float | None:
+        if math.isinf(until):
+            return None
+        return max(until - self.clock(), MIN_STORE_TIMEOUT_S)
 
-    def _check(self, kv: KVCache, ref, like: KVCache | None) -> None:
+    def plan_infos(self, tokens: Sequence[int], until: float = math.inf) -> list[ChunkInfoLike]:
+        if self._plan_timeout:
+            return list(self.store.plan(tokens, timeout=self._store_timeout(until)))
+        return list(self.store.plan(tokens))
+
+    def get(self, ref: ChunkRefLike, level: int, until: float = math.inf) -> bytes:
+        if self._get_timeout:
+            return self.store.get(ref, level, timeout=self._store_timeout(until))
+        return self.store.get(ref, level)
+
+    def decode(self, data: bytes, ref: ChunkRefLike, like: KVCache | None) -> KVCache:
+        """Decode a chunk fetched for ``ref`` and check it is that chunk (a mismatch is :class:`CorruptChunk`)."""
+        kv = self.codec.decode(data, key=ref.key) if self._decode_key else self.codec.decode(data)
         if kv.start != ref.start or kv.num_tokens != ref.end - ref.start:
             raise CorruptChunk(f"chunk {ref.index} decoded to tokens [{kv.start}, {kv.end}), "
                                f"expected [{ref.start}, {ref.end})")
         if like is not None and not like.same_layout(kv):
             raise CorruptChunk(f"chunk {ref.index} has a different layout from the chunks before it")
+        return kv
 
-    # -- the load ------------------------------------------------------------
-    def load(self, tokens: Sequence[int], slo_s: float | None = None, t0: float | None = None) -> LoadResult:
-        """The KV of the longest cached prefix of ``tokens`` (``kv=None`` when nothing is cached)."""
-        t0 = self.clock() if t0 is None else t0
-        slo = self.slo_s if slo_s is None else slo_s
-        saved_slo, self.slo_s = self.slo_s, slo
-        try:
-            return self._load(list(tokens), slo, t0)
-        finally:
-            self.slo_s = saved_slo
-
-    def _load(self, tokens: list, slo: float | None, t0: float) -> LoadResult:
-        faults: list[str] = []
-        try:
-            infos, chunks = self._plan_chunks(tokens, None)
-        except FETCH_FAULTS as e:
-            infos, chunks = [], []
-            faults.append(f"plan: {type(e).__name__}: {e}")
-        plan_s = self.clock() - t0
-        res = LoadResult(None, 0, [], slo, plan_s=plan_s, faults=faults)
-        if not chunks:
-            res.load_s = self.clock() - t0
-            return res
-        # the stitch after the last decode is part of the load: keep its time back too
-        itemsize = self.dtype.itemsize if self.dtype is not None else 2
-        stitch = self.costs.stitch_s(sum(c.num_values for c in chunks), itemsize)
-        deadline = t0 + (slo - self.reserve_s - stitch if slo is not None else float("inf"))
-        n = len(chunks)
-        decisions = [ChunkDecision(c.index, c.start, c.start + c.num_tokens, TEXT) for c in chunks]
-        q: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-        # predicted compute work: (end of the item being processed, predicted costs of queued items)
-        cpu = {"busy_until": t0, "queued": 0.0}
-        self.link.begin()
-
-        def cpu_busy() -> float:
-            with self._cpu_lock:
-                return max(cpu["busy_until"] - self.clock(), 0.0) + cpu["queued"]
-
-        def predicted(i: int, choice: Choice) -> float:
-            c = chunks[i]
-            if choice == TEXT:
-                return self.costs.recompute_s(c.start, c.num_tokens)
-            return self.costs.decode_s(choice, c.num_values or 1)
-
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.05)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        # the last chunk first; second when the estimator is cold: the first fetch is then a probe at
-        # the smallest level, which belongs on a chunk that matters little
-        order, early = fetch_order(chunks, self.policy == ADAPTIVE, not self.estimator.known)
-
-        def fetcher() -> None:
-            try:
-                deferred = None
-                prev = None
-                for k, i in enumerate(order):
-                    if stop.is_set():
-                        return
-                    choice, est = self._choose([chunks[j] for j in order[k:]], n, deadline, cpu_busy(), prev)
-                    prev = choice
-                    d = decisions[i]
-                    d.choice, d.est_gbps = choice, est
-                    if choice == TEXT:
-                        d.reason = "not stored" if not chunks[i].sizes else "planned"
-                        with self._cpu_lock:
-                            cpu["queued"] += predicted(i, choice)
-                        if i == early:  # a recompute needs the chunks before it: do it last
-                            deferred = ("text", i, None)
-                        elif not put(("text", i, None)):
-                            return
-                        continue
-                    ref = infos[i].ref
-                    d.fetch_start = self.clock() - t0
-                    try:
-                        data = self.link.fetch(self.store.get, ref, choice)
-                    except FETCH_FAULTS as e:
-                        d.fetch_end = self.clock() - t0
-                        put(("fault", i, f"chunk {i} level {choice}: {type(e).__name__}: {e}"))
-                        if i == early:  # only that chunk is lost: recompute it last, fetch the rest
-                            continue
-                        return
-                    d.fetch_end = self.clock() - t0
-                    d.fetch_s = d.fetch_end - d.fetch_start
-                    d.bytes = len(data)
-                    d.measured_gbps = self.estimator.add(len(data), d.fetch_s)
-                    with self._cpu_lock:
-                        cpu["queued"] += predicted(i, choice)
-                    if not put(("data", i, data)):
-                        return
-                if deferred is not None:
-                    put(deferred)
-            except BaseException as e:  # a bug must not hang the consumer
-                put(("fault", -1, f"fetch thread: {type(e).__name__}: {e}"))
-
-        th = threading.Thread(target=fetcher, name="cachegen-fetch", daemon=True)
-        th.start()
-        got: dict[int, KVCache] = {}
-        fault_at: int | None = None
-        redo_early = False
-        try:
-            for _ in range(n):
-                kind, i, payload = q.get()
-                if kind == "fault":
-                    faults.append(payload)
-                    if i == early and early is not None:
-                        redo_early = True
-                        continue
-                    fault_at = min((j for j in range(n) if j not in got), default=n - 1) if i < 0 else i
-                    break
-                d = decisions[i]
-                with self._cpu_lock:
-                    cost = predicted(i, d.choice)
-                    cpu["queued"] = max(cpu["queued"] - cost, 0.0)
-                    cpu["busy_until"] = self.clock() + cost
-                d.decode_start = self.clock() - t0
-                ref = infos[i].ref
-                try:
-                    if kind == "text":
-                        kv = self._recompute([got[j] for j in range(i)], tokens[ref.start:ref.end])
-                    else:
-                        kv = self.codec.decode(payload)
-                    self._check(kv, ref, next(iter(got.values()), None))
-                except (CachegenError, ValueError, RuntimeError) as e:
-                    if kind == "text":
-                        raise
-                    d.decode_end = self.clock() - t0
-                    d.decode_s = d.decode_end - d.decode_start
-                    faults.append(f"chunk {i} level {d.choice}: {type(e).__name__}: {e}")
-                    if i == early:
-                        redo_early = True
-                        continue
-                    fault_at = i
-                    break
-                d.decode_end = self.clock() - t0
-                d.decode_s = d.decode_end - d.decode_start
-                if self._values_per_token is None and kv.num_tokens:
-                    self._values_per_token = kv.num_values // kv.num_tokens
-                got[i] = kv
-        finally:
-            stop.set()
-            while True:  # unblock the fetcher
-                try:
-                    q.get_nowait()
-                except queue.Empty:
-                    break
-            th.join(timeout=10)
-        if fault_at is None and redo_early:
-            fault_at = early
-        parts = [got[j] for j in range(fault_at if fault_at is not None else n)]
-        if fault_at is not None:
-            a = chunks[fault_at].start
-            b = chunks[-1].start + chunks[-1].num_tokens
-            t = self.clock()
-            kv = self._recompute(parts, tokens[a:b])
-            dt = self.clock() - t
-            if kv.start != a or kv.end != b:
-                raise LoaderError(f"recompute returned tokens [{kv.start}, {kv.end}), expected [{a}, {b})")
-            parts.append(kv)
-            for k in range(fault_at, n):
-                d = decisions[k]
-                d.choice, d.bytes = TEXT, 0
-                d.reason = "fault" if k == fault_at or (k == early and redo_early) else "after fault"
-                d.decode_start, d.decode_end, d.decode_s = t - t0, t - t0 + dt, dt * chunks[k].num_tokens / (b - a)
-        t = self.clock()
-        full = self._stitch(parts)
-        res.stitch_s = self.clock() - t
-        res.kv = full
-        res.cached_tokens = full.end
-        res.decisions = decisions
-        res.fetch_s = sum(d.fetch_s for d in decisions)
-        res.decode_s = sum(d.decode_s for d in decisions if d.choice != TEXT)
-        res.recompute_s = sum(d.decode_s for d in decisions if d.choice == TEXT)
-        res.load_s = self.clock() - t0
-        return res
-
-    def _stitch(self, parts: list[KVCache]) -> KVCache:
-        dtype = self.dtype or parts[0].dtype
+    def stitch(self, parts: list[KVCache]) -> KVCache:
+        dtype = self.options.dtype or parts[0].dtype
         return KVCache.concat([p if p.dtype == dtype else p.to(dtype) for p in parts])
 
-    def _recompute(self, parts: list[KVCache], token_ids: list) -> KVCache:
-        prefix = self._stitch(parts) if parts else None
+    def recompute_after(self, parts: list[KVCache], token_ids: list[int]) -> KVCache:
+        """The KV of ``token_ids`` after the stitched ``parts`` (from text)."""
+        prefix = self.stitch(parts) if parts else None
         kv = self.recompute(prefix, list(token_ids))
         start = prefix.end if prefix is not None else 0
         if kv.start != start or kv.num_tokens != len(token_ids):
-            raise LoaderError(f"recompute returned tokens [{kv.start}, {kv.end}), expected [{start}, {start + len(token_ids)})")
+            raise LoaderError(f"recompute returned tokens [{kv.start}, {kv.end}), "
+                              f"expected [{start}, {start + len(token_ids)})")
         return kv
+
+
+class _Load:
+    """One call of :meth:`StreamingLoader.load`: its deadlines, its compute book and its two stages."""
+
+    def __init__(self, loader: StreamingLoader, tokens: list[int], slo: float | None, t0: float):
+        self.l, self.o = loader, loader.options
+        self.tokens, self.slo, self.t0 = tokens, slo, t0
+        # the load (stitch included) must end by ``limit``; no store call is waited for past it
+        self.limit = t0 + (slo - self.o.reserve_s) if slo is not None else math.inf
+        self.cpu = _CpuBook(loader.clock, t0)
+
+    def now(self) -> float:
+        return self.l.clock() - self.t0
+
+    # -- planning ----------------------------------------------------------------------
+    def make_plan(self, infos: list[ChunkInfoLike]) -> LoadPlan:
+        last = max((i for i, inf in enumerate(infos) if inf.sizes), default=-1)
+        infos = infos[: last + 1]
+        vpt, allowed = self.o.values_per_token or 0, self.o.levels
+        chunks = [PlanChunk(inf.ref.index, inf.ref.start, inf.ref.end - inf.ref.start,
+                            (inf.ref.end - inf.ref.start) * vpt,
+                            {l: s for l, s in inf.sizes.items() if allowed is None or l in allowed})
+                  for inf in infos]
+        chunks = with_recency_boost(chunks, self.o.recency_boost)
+        # the last chunk first; second when the estimator is cold: the first fetch is then a probe
+        # at the smallest level, which belongs on a chunk that matters little
+        order, early = fetch_order(chunks, self.o.policy == ADAPTIVE, not self.l.estimator.known)
+        # the stitch after the last decode is part of the load: keep its time back too
+        itemsize = self.o.dtype.itemsize if self.o.dtype is not None else 2
+        stitch = self.l.costs.stitch_s(sum(c.num_values for c in chunks), itemsize)
+        return LoadPlan(infos, chunks, order, early, self.limit - stitch)
+
+    def predicted(self, chunk: PlanChunk, choice: Choice) -> float:
+        if choice == TEXT:
+            return self.l.costs.recompute_s(chunk.start, chunk.num_tokens)
+        return self.l.costs.decode_s(int(choice), chunk.num_values or 1)
+
+    def choose(self, plan: LoadPlan, k: int, prev: Choice | None) -> tuple[Choice, float]:
+        """The choice for the ``k``-th chunk in fetch order, and the estimate it was made with."""
+        e, o = self.l.estimator, self.o
+        g, last = e.next_estimate(first_of_load=prev is None), e.last()
+        n = len(plan.chunks)
+        share = max(self.slo - o.reserve_s, 0.0) / n if self.slo is not None else None
+        choice = decide(o.policy, [plan.chunks[j] for j in plan.order[k:]], self.l.costs,
+                        time_left_s=None if self.slo is None else plan.deadline - self.l.clock(),
+                        cpu_busy_s=self.cpu.busy(), est_gbps=g, last_gbps=last, tail_gbps=e.tail_estimate(),
+                        known=e.known, history_s_per_bit=e.s_per_bit_history() if o.risk_quantile else None,
+                        risk_quantile=o.risk_quantile or RISK_QUANTILE, share_s=share, prev=prev,
+                        allowed=o.levels, safety=o.safety)
+        return choice, (last if o.policy == RULE else g)
+
+    # -- the fetch stage ---------------------------------------------------------------
+    def fetch_stage(self) -> Stage[None]:
+        try:
+            infos = yield Call(lambda: self.l.plan_infos(self.tokens, self.limit))
+            plan = self.make_plan(infos)
+        except Exception as e:  # any failure of the plan: nothing is loaded, the caller prefills
+            yield Send(PlanFailed(_describe("plan", e), e))
+            return
+        yield Send(Planned(plan))
+        if not plan.chunks:
+            return
+        self.l.link.begin()
+        deferred: TextChosen | None = None
+        prev: Choice | None = None
+        for k, pos in enumerate(plan.order):
+            chunk = plan.chunks[pos]
+            choice, est = self.choose(plan, k, prev)
+            prev = choice
+            if choice == TEXT:
+                self.cpu.queued(self.predicted(chunk, TEXT))
+                msg = TextChosen(pos, est, "not stored" if not chunk.sizes else "planned")
+                if pos == plan.early:  # a recompute needs the chunks before it: do it last
+                    deferred = msg
+                else:
+                    yield Send(msg)
+                continue
+            level = int(choice)
+            ref = plan.infos[pos].ref
+            start = self.now()
+            try:
+                data = yield Call(lambda: self.l.link.fetch(
+                    lambda r, lv: self.l.get(r, lv, self.limit), ref, level))
+                nbytes = len(data)
+            except Exception as e:  # every fetch failure is a fault: the chunk is recomputed
+                self.trace(e)
+                yield Send(FetchFailed(pos, level, est, start, self.now(), _describe(f"chunk {pos} level {level}", e)))
+                if pos == plan.early:  # only that chunk is lost: recompute it last, fetch the rest
+                    continue
+                return
+            end = self.now()
+            measured = self.l.estimator.add(nbytes, end - start)
+            self.cpu.queued(self.predicted(chunk, level))
+            yield Send(Fetched(pos, level, est, start, end, data, measured))
+        if deferred is not None:
+            yield Send(deferred)
+
+    # -- the compute stage -------------------------------------------------------------
+    def compute_stage(self) -> Stage[LoadResult]:
+        res = LoadResult(None, 0, [], self.slo)
+        msg = yield Receive(self.limit)
+        res.plan_s = self.now()
+        if isinstance(msg, PlanFailed) and isinstance(msg.error, ConfigError):
+            raise msg.error  # not a store fault: the user must hear of it
+        if not isinstance(msg, Planned):
+            self.fault(res, self.no_message(msg, "plan"))
+            res.load_s = self.now()
+            return res
+        plan = msg.plan
+        chunks, n = plan.chunks, len(plan.chunks)
+        if not n:
+            res.load_s = self.now()
+            return res
+        decisions = [ChunkDecision(c.index, c.start, c.start + c.num_tokens, TEXT) for c in chunks]
+        res.decisions = decisions
+        got: dict[int, KVCache] = {}
+        failed: set[int] = set()
+        for _ in range(n):
+            msg = yield Receive(self.limit)
+            if isinstance(msg, (Fetched, FetchFailed, TextChosen)):
+                d = decisions[msg.pos]
+                d.est_gbps = msg.est_gbps
+            if isinstance(msg, TextChosen):
+                d.choice, d.reason = TEXT, msg.reason
+                self.cpu.started(self.predicted(chunks[msg.pos], TEXT))
+                d.decode_start = self.now()
+                ref = plan.infos[msg.pos].ref
+                parts = [got[j] for j in range(msg.pos)]  # text comes in order, the early chunk last
+                got[msg.pos] = yield Call(lambda: self.l.recompute_after(parts, self.tokens[ref.start:ref.end]))
+                d.decode_end = self.now()
+                d.decode_s = d.decode_end - d.decode_start
+                continue
+            if isinstance(msg, Fetched):
+                d.choice, d.bytes, d.measured_gbps = msg.level, len(msg.data), msg.measured_gbps
+                d.fetch_start, d.fetch_end, d.fetch_s = msg.fetch_start, msg.fetch_end, msg.fetch_end - msg.fetch_start
+                self.cpu.started(self.predicted(chunks[msg.pos], msg.level))
+                d.decode_start = self.now()
+                like = next(iter(got.values()), None)
+                ref = plan.infos[msg.pos].ref
+                try:
+                    got[msg.pos] = yield Call(lambda: self.l.decode(msg.data, ref, like))
+                    fault = None
+                except Exception as e:  # anything a decode raises means: this chunk is not usable
+                    fault = _describe(f"chunk {msg.pos} level {msg.level}", e)
+                    self.trace(e)
+                d.decode_end = self.now()
+                d.decode_s = d.decode_end - d.decode_start
+                if fault is None:
+                    continue
+                failed.add(msg.pos)
+                self.fault(res, fault)
+                if msg.pos == plan.early:
+                    continue
+                break
+            if isinstance(msg, FetchFailed):
+                d.choice = msg.level
+                d.fetch_start, d.fetch_end = msg.fetch_start, msg.fetch_end
+                failed.add(msg.pos)
+                self.fault(res, msg.fault)
+                if msg.pos == plan.early:
+                    continue
+                break
+            # no message by the deadline (a stalled store), or the fetch stage ended early
+            missing = min(j for j in range(n) if j not in got)
+            failed.add(missing)
+            self.fault(res, self.no_message(msg, f"chunk {missing}"))
+            break
+        yield StopProducer()  # nothing fetched or decoded after a fault
+        fault_at = min((j for j in range(n) if j not in got), default=None)
+        parts = [got[j] for j in range(fault_at if fault_at is not None else n)]
+        if fault_at is not None:
+            a, b = chunks[fault_at].start, chunks[-1].start + chunks[-1].num_tokens
+            t = self.now()
+            rest = yield Call(lambda: self.l.recompute_after(parts, self.tokens[a:b]))
+            dt = self.now() - t
+            parts.append(rest)
+            for k in range(fault_at, n):
+                d = decisions[k]
+                d.choice, d.bytes = TEXT, 0
+                d.reason = "fault" if k in failed else "after fault"
+                d.decode_start, d.decode_end, d.decode_s = t, t + dt, dt * chunks[k].num_tokens / (b - a)
+        t = self.now()
+        res.kv = yield Call(lambda: self.l.stitch(parts))
+        res.stitch_s = self.now() - t
+        res.cached_tokens = res.kv.end
+        res.fetch_s = sum(d.fetch_s for d in decisions)
+        res.decode_s = sum(d.decode_s for d in decisions if d.choice != TEXT)
+        res.recompute_s = sum(d.decode_s for d in decisions if d.choice == TEXT)
+        res.load_s = self.now()
+        return res
+
+    # -- faults ------------------------------------------------------------------------
+    def no_message(self, msg: object, what: str) -> str:
+        if isinstance(msg, PlanFailed):
+            return msg.fault
+        if isinstance(msg, ProducerEnded):
+            if msg.error is not None:
+                self.trace(msg.error)
+                return _describe("fetch stage", msg.error)
+            return f"{what}: the fetch stage ended early"
+        if msg is None:
+            return f"{what}: no answer from the store within the deadline ({self.slo}s); recomputing"
+        return f"{what}: unexpected message {type(msg).__name__}"
+
+    def fault(self, res: LoadResult, text: str) -> None:
+        text = redact(text)
+        res.faults.append(text)
+        log.warning("load fault, recomputing from text: %s", text)
+
+    @staticmethod
+    def trace(e: BaseException) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", redact("".join(traceback.format_exception(e))))

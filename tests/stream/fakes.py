@@ -1,10 +1,12 @@
-"""Small stand-ins for tests and demos without a model: a toy codec, a toy
-"model" for recompute, and a store wrapper that injects faults.
+"""Small stand-ins for loader tests without a model: a toy codec, a toy "model" for
+recompute, and wrappers that inject faults into a store or a codec.
 
-:class:`ToyCodec` level 0 is lossless (float32); level ``L >= 1`` quantizes
-each (layer, K/V, head) to ``8 - 2 * (L - 1)`` bits (8, 6, 4, 2), packed into
-bytes, so sizes shrink with the level. Each payload carries the chunk's start,
-shape and a checksum; bad bytes raise :class:`~cachegen.errors.CorruptChunk`.
+:class:`ToyCodec` implements ``cachegen.codec.ChunkCodec``: level 0 is lossless
+(float32); level ``L >= 1`` quantizes each (layer, K/V, head) to ``8 - 2 * (L - 1)``
+bits (8, 6, 4, 2), packed into bytes, so sizes shrink with the level. Each payload
+carries the chunk's start, shape, a digest of the key it was encoded for and a
+checksum; bad bytes raise :class:`~cachegen.errors.CorruptChunk`, a chunk decoded
+under another key :class:`~cachegen.errors.KeyMismatch`.
 """
 
 from __future__ import annotations
@@ -13,33 +15,42 @@ import hashlib
 import struct
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 import torch
 
-from cachegen.errors import ChunkNotFound, CorruptChunk, StoreUnavailable
+from cachegen.errors import ChunkNotFound, CorruptChunk, KeyMismatch, StoreUnavailable
 from cachegen.kv import KVCache, KVLayer
 
-MAGIC = b"TOYKV1"
-_HDR = struct.Struct("<6sBIIIII")  # magic, level, start, layers, heads, tokens, head_dim
+MAGIC = b"TOYKV2"
+_HDR = struct.Struct("<6sBIIIII8s")  # magic, level, start, layers, heads, tokens, head_dim, key digest
+_NO_KEY = bytes(8)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.blake2b(key.encode(), digest_size=8).digest()
 
 
 class ToyCodec:
     levels = (0, 1, 2, 3, 4)
 
-    def __init__(self, delay_s_per_mvalue: float = 0.0):
+    def __init__(self, delay_s_per_mvalue: float = 0.0, sleep: Callable[[float], None] = time.sleep):
         self.delay_s_per_mvalue = delay_s_per_mvalue  # simulated decode cost (sleeps; releases the GIL)
+        self.sleep = sleep  # a VirtualClock's sleep in virtual-time tests
+        self.decodes = 0  # calls of decode, for tests that count them
+        self._lock = threading.Lock()
 
     @staticmethod
     def bits(level: int) -> int:
         return 32 if level == 0 else 8 - 2 * (level - 1)
 
-    def encode(self, kv: KVCache, level: int) -> bytes:
+    def encode(self, kv: KVCache, level: int, *, key: str | None = None) -> bytes:
         if level not in self.levels:
             raise ValueError(f"no level {level}")
         l0 = kv.layers[0]
         h, t, d = l0.k.shape
-        out = [_HDR.pack(MAGIC, level, kv.start, kv.num_layers, h, t, d)]
+        out = [_HDR.pack(MAGIC, level, kv.start, kv.num_layers, h, t, d, _digest(key) if key else _NO_KEY)]
         for layer in kv.layers:
             for x in (layer.k, layer.v):
                 a = x.float().numpy().reshape(h, t * d)
@@ -55,15 +66,20 @@ class ToyCodec:
         body = b"".join(out)
         return body + hashlib.blake2b(body, digest_size=8).digest()
 
-    def decode(self, blob: bytes) -> KVCache:
+    def decode(self, blob: bytes, *, key: str | None = None) -> KVCache:
+        with self._lock:
+            self.decodes += 1
         if len(blob) < _HDR.size + 8:
             raise CorruptChunk("too short")
         body, tag = blob[:-8], blob[-8:]
         if hashlib.blake2b(body, digest_size=8).digest() != tag:
             raise CorruptChunk("checksum mismatch")
-        magic, level, start, nl, h, t, d = _HDR.unpack_from(body)
+        magic, level, start, nl, h, t, d, kd = _HDR.unpack_from(body)
         if magic != MAGIC:
             raise CorruptChunk("bad magic")
+        # a chunk written without a key (an older store) cannot be checked; one written with a key must match
+        if key is not None and kd != _NO_KEY and kd != _digest(key):
+            raise KeyMismatch("chunk was written for another key")
         off = _HDR.size
         layers = []
         for _ in range(nl):
@@ -89,17 +105,39 @@ class ToyCodec:
             raise CorruptChunk("trailing bytes")
         out = KVCache(layers, start=start)
         if self.delay_s_per_mvalue:
-            time.sleep(self.delay_s_per_mvalue * out.num_values / 1e6)
+            self.sleep(self.delay_s_per_mvalue * out.num_values / 1e6)
         return out
+
+
+class FaultyCodec:
+    """Wraps a codec; decoding the chunk that starts at a token in ``fail_at`` raises the
+    exception given for it (``MemoryError``, ``OverflowError``, a bug's ``TypeError``...)."""
+
+    def __init__(self, codec, fail_at: dict[int, BaseException]):
+        self.codec, self.fail_at = codec, dict(fail_at)
+        self.levels = codec.levels
+        self.decoded: list[int] = []  # start token of every decode call, in order
+
+    def encode(self, kv: KVCache, level: int, *, key: str | None = None) -> bytes:
+        return self.codec.encode(kv, level, key=key)
+
+    def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
+        kv = self.codec.decode(data, key=key)
+        self.decoded.append(kv.start)
+        if kv.start in self.fail_at:
+            raise self.fail_at[kv.start]
+        return kv
 
 
 class ToyModel:
     """A deterministic stand-in for prefill: the KV of a token depends on the token,
     its position and the prefix's last key, like a real model depends on its prefix."""
 
-    def __init__(self, layers: int = 2, heads: int = 2, head_dim: int = 8, s_per_token: float = 0.0):
+    def __init__(self, layers: int = 2, heads: int = 2, head_dim: int = 8, s_per_token: float = 0.0,
+                 sleep: Callable[[float], None] = time.sleep):
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
         self.s_per_token = s_per_token
+        self.sleep = sleep
         self.calls: list[tuple[int, int]] = []  # (prefix end, tokens)
         self._lock = threading.Lock()
 
@@ -108,7 +146,7 @@ class ToyModel:
         with self._lock:
             self.calls.append((start, len(token_ids)))
         if self.s_per_token:
-            time.sleep(self.s_per_token * len(token_ids))
+            self.sleep(self.s_per_token * len(token_ids))
         n = len(token_ids)
         pos = torch.arange(start, start + n, dtype=torch.float32)
         tok = torch.as_tensor(token_ids, dtype=torch.float32)
@@ -139,25 +177,51 @@ class ToyModel:
 
 
 class FaultyStore:
-    """Wraps a ContextStore; makes chosen chunks fail: ``corrupt``, ``missing``, ``timeout``."""
+    """Wraps a ContextStore; makes chosen chunks fail.
 
-    def __init__(self, store, faults: dict[int, str] | None = None, timeout_s: float = 0.0):
+    ``faults``: chunk index -> ``corrupt`` (a flipped byte), ``missing``, ``timeout`` (waits
+    ``timeout_s``, then ``StoreUnavailable``), ``stall`` (blocks until :meth:`release`, as a
+    store that ignores its timeout would), ``memory`` (``MemoryError``), ``bug`` (``TypeError``).
+    ``stall_plan``: :meth:`plan` blocks until :meth:`release`. Records every get and the
+    timeouts the loader passed."""
+
+    def __init__(self, store, faults: dict[int, str] | None = None, timeout_s: float = 0.0, stall_plan: bool = False):
         self.store = store
         self.faults = dict(faults or {})
         self.timeout_s = timeout_s
+        self.stall_plan = stall_plan
         self.gets: list[tuple[int, int]] = []
+        self.timeouts: list[float | None] = []  # the timeout= of each plan and get, in call order
+        self._released = threading.Event()
+        self._lock = threading.Lock()
 
-    def plan(self, tokens):
+    def release(self) -> None:
+        """Unblock stalled calls (a test's clean-up: no thread is left waiting)."""
+        self._released.set()
+
+    def plan(self, tokens, *, timeout: float | None = None):
+        with self._lock:
+            self.timeouts.append(timeout)
+        if self.stall_plan:
+            self._released.wait(60)
         return self.store.plan(tokens)
 
-    def get(self, ref, level):
-        self.gets.append((ref.index, level))
+    def get(self, ref, level, *, timeout: float | None = None):
+        with self._lock:
+            self.gets.append((ref.index, level))
+            self.timeouts.append(timeout)
         f = self.faults.get(ref.index)
         if f == "missing":
             raise ChunkNotFound(f"chunk {ref.index} (injected)")
         if f == "timeout":
             time.sleep(self.timeout_s)
             raise StoreUnavailable(f"timed out fetching chunk {ref.index} (injected)")
+        if f == "stall":
+            self._released.wait(60)
+        if f == "memory":
+            raise MemoryError("injected")
+        if f == "bug":
+            raise TypeError("injected bug in the store")
         data = self.store.get(ref, level)
         if f == "corrupt":
             b = bytearray(data)

@@ -1,13 +1,25 @@
-"""Round-2 behaviour: cold start, the rule after text, the virtual-time replay, bench helpers."""
+"""The loader replayed in virtual time (cold start, the rule after text, steps, random traces) and the
+planner's decisions it relies on."""
 
 import statistics
 
-from cachegen.stream import ThroughputEstimator, decide, make_trace, simulate_load
-from cachegen.stream.costs import TEXT, CostModel
-from cachegen.stream.link import Trace
 import numpy as np
 
+from cachegen.bench.replay import replay_load
+from cachegen.stream import LoaderOptions, ThroughputEstimator, decide, make_trace
+from cachegen.stream.costs import TEXT, CostModel
+from cachegen.stream.link import Trace
 from cachegen.stream.planner import PipelineState, PlanChunk, finish_quantile, simulate
+
+REPLAY = ("estimator", "cpu_noise", "seed", "latency_s", "compute_s")
+
+
+def simulate_load(chunks, trace, costs, slo_s, **kw):
+    """The loader in virtual time; keywords of the replay go to it, the rest into LoaderOptions
+    (chunks are planned as given: no recency boost unless asked for)."""
+    rk = {k: kw.pop(k) for k in REPLAY if k in kw}
+    kw.setdefault("recency_boost", 0)
+    return replay_load(chunks, trace, costs, LoaderOptions(slo_s=slo_s, **kw), **rk)
 
 VPT = 11520
 COSTS = CostModel(decode_s_per_mvalue={}, decode_s_per_mvalue_default=0.009, decode_fixed_s=0.002,
@@ -53,11 +65,28 @@ def test_rule_is_not_stranded_on_text():
 def test_rule_recovers_after_bandwidth_returns_in_sim():
     cs = chunks(8)
     tr = Trace([(0, 0.001), (2, 10.0)], by="chunk")
-    r = simulate_load(cs, tr, COSTS, slo_s=2.0, policy="rule", estimator=ThroughputEstimator(prior_gbps=0.001),
+    # a deadline the slow probe (405 KB at 1 Mbit/s: 3.2 s) fits in
+    r = simulate_load(cs, tr, COSTS, slo_s=10.0, policy="rule", estimator=ThroughputEstimator(prior_gbps=0.001),
                       cpu_noise=0.0)
     # text, a probe (still slow), text, a probe that sees 10 Gbps, then good levels
     assert r.choices[:4] == [TEXT, 7, TEXT, 7], r.choices
     assert all(c != TEXT and c <= 2 for c in r.choices[4:]), r.choices
+    assert not r.result.faults
+
+
+def test_a_fetch_still_running_at_the_deadline_is_abandoned_in_sim():
+    """The loader does not wait for a fetch past the load's limit: it recomputes the rest from text
+    then, so the load ends at the limit plus the recompute (exact in virtual time without noise)."""
+    cs = chunks(8)
+    tr = Trace([(0, 0.001), (2, 10.0)], by="chunk")
+    r = simulate_load(cs, tr, COSTS, slo_s=2.0, policy="rule", estimator=ThroughputEstimator(prior_gbps=0.001),
+                      cpu_noise=0.0)
+    # chunk 0 is recomputed (0.56 s); chunk 1's probe would take 3.2 s: at 2.0 s the loader gives up on it
+    assert r.choices == [TEXT] * 8 and r.result.decisions[1].reason == "fault", r.choices
+    assert len(r.result.faults) == 1 and "chunk 1" in r.result.faults[0]
+    rest = sum(COSTS.recompute_s(c.start, c.num_tokens) for c in cs[1:])
+    stitch = COSTS.stitch_s(sum(c.num_values for c in cs), 2)
+    assert abs(r.load_s - (2.0 + rest + stitch)) < 1e-9, (r.load_s, 2.0 + rest + stitch)
 
 
 def test_sim_constant_generous_and_tight():
@@ -146,12 +175,10 @@ def test_sim_random_trace_risk_planning_and_prefetch_lower_misses():
 
 
 def test_sim_fetches_the_boosted_last_chunk_first():
-    from cachegen.stream.planner import with_recency_boost
-
-    cs = with_recency_boost(chunks(), 2)
+    cs = chunks()
     r = simulate_load(cs, make_trace("constant:1", 16), COSTS, slo_s=10.0, estimator=ThroughputEstimator(prior_gbps=1.0),
-                      cpu_noise=0.0)
+                      cpu_noise=0.0, recency_boost=2)
     assert r.fetch_end[15] < r.fetch_end[0] < r.fetch_end[1] and r.choices == [1] * 16 and not r.missed
     cold = simulate_load(cs, make_trace("constant:1", 16), COSTS, slo_s=10.0, estimator=ThroughputEstimator(),
-                         cpu_noise=0.0)
+                         cpu_noise=0.0, recency_boost=2)
     assert cold.fetch_end[0] < cold.fetch_end[15] < cold.fetch_end[1]  # a cold estimator probes with chunk 0

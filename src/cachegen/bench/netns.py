@@ -5,8 +5,8 @@ veth pair inside a private /30 (``10.231.X.1`` host side, ``10.231.X.2`` inside,
 X picked free), and the redis-server it starts (stopped by its pid file).
 ``set_rate(gbps)`` runs ``tc qdisc change`` on both veth ends, so a bandwidth
 trace can be replayed during a load: :class:`NetnsLink` does it per chunk (chunk
-traces) or from a timer thread (time traces). See
-``/work/shared/research/network-emulation.md`` for the measurements.
+traces) or from a timer thread (time traces). Bench-only: the stream bench and the
+TTFT bench use it for ``--link netns``; docs/streaming.md has the measurements.
 """
 
 from __future__ import annotations

@@ -1,0 +1,77 @@
+"""What the streaming loader needs of its collaborators, as typed protocols.
+
+The loader is written against these, not against concrete classes, so that the
+same fetch -> decode -> stitch code runs on a real store, model and clock, and on
+the virtual ones of the replay (:mod:`cachegen.bench.replay`) and the tests. The
+codec is ``cachegen.codec.ChunkCodec`` (the loader decodes with ``key=ref.key``:
+a chunk written for another key raises :class:`~cachegen.errors.KeyMismatch`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    from cachegen.codec import ChunkCodec
+    from cachegen.kv import KVCache
+
+__all__ = ["ChunkCodec", "ChunkInfoLike", "ChunkRefLike", "ChunkSource", "Clock", "Link", "Recompute"]
+
+
+class ChunkRefLike(Protocol):
+    """A chunk of a context (:class:`cachegen.store.ChunkRef` is one)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def key(self) -> str: ...
+
+
+class ChunkInfoLike(Protocol):
+    """A chunk and its stored payload size per level (:class:`cachegen.store.ChunkInfo` is one)."""
+
+    @property
+    def ref(self) -> ChunkRefLike: ...
+    @property
+    def sizes(self) -> dict[int, int]: ...
+
+
+@runtime_checkable
+class ChunkSource(Protocol):
+    """The store, as the loader sees it (:class:`cachegen.store.ContextStore` is one).
+
+    ``timeout``: seconds the call may take (derived from the load's deadline); a
+    call that cannot finish in time raises :class:`~cachegen.errors.StoreUnavailable`.
+    The loader passes it only to a store whose methods accept it, and never waits
+    for a call past its deadline either way."""
+
+    def plan(self, tokens: Sequence[int], *, timeout: float | None = None) -> Sequence[ChunkInfoLike]: ...
+
+    def get(self, ref: ChunkRefLike, level: int, *, timeout: float | None = None) -> bytes: ...
+
+
+class Recompute(Protocol):
+    """The model: the KV of ``token_ids`` after ``prefix`` (from text)."""
+
+    def __call__(self, prefix: KVCache | None, token_ids: list[int]) -> KVCache: ...
+
+
+class Link(Protocol):
+    """How fetched bytes cross the network: :class:`~cachegen.stream.link.ThrottledLink`
+    (an emulated link), :class:`~cachegen.stream.link.DirectLink` (the real one)."""
+
+    def begin(self) -> None: ...
+
+    def fetch(self, get: Callable[[ChunkRefLike, int], bytes], ref: ChunkRefLike, level: int) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class Clock(Protocol):
+    """Seconds, monotonic: ``time.perf_counter`` or a :class:`~cachegen.stream.pipeline.VirtualClock`."""
+
+    def __call__(self) -> float: ...
