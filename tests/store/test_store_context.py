@@ -103,3 +103,61 @@ def test_same_keys_in_every_backend(store, kv_factory):
     toks = list(range(30))
     refs = store.put_context(toks, kv_factory(30), levels=[0])
     assert refs == chunk_keys(toks, store.namespace, 16)
+
+
+# -- the chunk size recorded with the namespace ------------------------------------------
+
+def test_a_store_keeps_one_chunk_size_per_namespace(store, kv_factory):
+    toks = list(range(40))
+    store.put_context(toks, kv_factory(40), levels=[0])
+    with pytest.raises(ConfigError, match="16 tokens each, not 32: pass --chunk-tokens 16"):
+        # it would silently find nothing: every key differs with 32-token chunks (a local store
+        # says so when it opens, Redis on the first call)
+        ContextStore(store.backend, store.namespace, store.encoder, chunk_tokens=32).lookup(toks)
+    with pytest.raises(ConfigError, match="--chunk-tokens 16"):
+        ContextStore(store.backend, store.namespace, store.encoder, chunk_tokens=32).put_context(toks, kv_factory(40))
+    adopted = ContextStore(store.backend, store.namespace, store.encoder, chunk_tokens=None)
+    assert adopted.lookup(toks) == 40 and adopted.chunk_tokens == 16
+    from dataclasses import replace
+
+    elsewhere = ContextStore(store.backend, replace(store.namespace, profile_id="another"), store.encoder, chunk_tokens=32)
+    assert elsewhere.lookup(toks) == 0  # another namespace keeps its own size
+    elsewhere.put_context(toks, kv_factory(40), levels=[0])
+    assert elsewhere.lookup(toks) == 40
+    store.backend.clear()  # an empty store takes any size again
+    fresh = ContextStore(store.backend, store.namespace, store.encoder, chunk_tokens=32)
+    fresh.put_context(toks, kv_factory(40), levels=[0])
+    assert fresh.lookup(toks) == 40
+
+
+# -- contexts: store ls / store rm ------------------------------------------------------------
+
+def test_list_and_remove_contexts(store, kv_factory):
+    from cachegen.store import list_contexts, remove_context
+
+    a, b, c = list(range(48)), list(range(48)) + list(range(900, 920)), list(range(5000, 5020))
+    kv_b = kv_factory(68, seed=2)
+    store.put_context(b, kv_b)  # b: 5 chunks; a is its 3-chunk prefix
+    store.put_context(a, kv_b.slice(0, 48))
+    store.put_context(c, kv_factory(20, seed=3), levels=[1])
+    rows = {r.tokens: r for r in list_contexts(store.backend)}
+    assert sorted(rows) == [20, 48, 68]
+    sizes = {i.ref.key: sum(i.sizes.values()) for t in (a, b, c) for i in store.plan(t)}
+    for toks in (a, b, c):
+        plan = store.plan(toks)
+        r = rows[len(toks)]
+        assert (r.id, r.chunks, r.bytes, r.complete) == (plan[-1].ref.key, len(plan), sum(sizes[i.ref.key] for i in plan), True)
+    assert rows[48].levels == [0, 1, 2] and rows[20].levels == [1]
+    with pytest.raises(ConfigError, match="at least 8"):
+        remove_context(store.backend, rows[68].id[:4])
+    with pytest.raises(ConfigError, match="no context"):
+        remove_context(store.backend, "f" * 16 if not rows[68].id.startswith("f" * 16) else "e" * 16)
+    # removing b removes only its own two chunks: a, its prefix, still loads whole
+    assert remove_context(store.backend, rows[68].id[:12]) == 2
+    assert store.lookup(b) == 48 and store.lookup(a) == 48
+    assert sorted(r.tokens for r in list_contexts(store.backend)) == [20, 48]
+    # removing a prefix of a longer context keeps the chunks the longer one needs
+    store.put_context(b, kv_b)
+    assert remove_context(store.backend, rows[48].id) == 0
+    assert sorted(r.tokens for r in list_contexts(store.backend)) == [20, 68] and store.lookup(b) == 68
+    assert remove_context(store.backend, rows[20].id.upper()) == 2 and store.lookup(c) == 0

@@ -459,11 +459,11 @@ class LocalBackend(Backend):
             if last < now:
                 stale.add(key)
             out.append(data)
-        if stale and not d.expired:
-            self._touch(stale, now, d)
+        if stale and not d.expired:  # with a deadline, never wait for the lock just to note an access
+            self._touch(stale, now, None if d.end is None else Deadline(min(d.left() or 0.0, 0.01)))
         return out
 
-    def _touch(self, keys: set[str], now: int, d: Deadline) -> None:
+    def _touch(self, keys: set[str], now: int, d: Deadline | None) -> None:
         """Record an access for LRU (at most once a second per chunk, to keep readers mostly read-only)."""
         try:
             with self._write(d) as db:

@@ -78,9 +78,10 @@ def file_path(url: str) -> str:
     """The directory a ``file:`` URL names (relative paths stay relative: the store resolves them)."""
     u = urlsplit(url)
     if u.netloc not in ("", "localhost"):
+        host = u.netloc.rpartition("@")[2]  # never echo a user or password
         raise ConfigError(
-            f"{redact(url)!r} names host {u.netloc!r}, not a directory: write file:///ABSOLUTE/PATH "
-            f"(three slashes) or file:./{u.netloc}{u.path} for a path relative to the current directory"
+            f"{redact(url)!r} names host {host!r}, not a directory: write file:///ABSOLUTE/PATH "
+            f"(three slashes) or file:./{host}{u.path} for a path relative to the current directory"
         )
     path = unquote(u.path)
     if not path:
