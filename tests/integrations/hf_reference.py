@@ -1,0 +1,27 @@
+"""transformers' KV of a prompt, by cachegen's own prefill in bf16 (run in cachegen's environment).
+
+``python hf_reference.py MODEL_DIR IDS.json OUT.pt``: the reference the vLLM layout
+test compares the connector's stored chunks with (vLLM pins an older transformers).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from cachegen.engine.models import load_model
+from cachegen.engine.prefill import prefill
+
+
+def main(model: str, ids_path: str, out: str) -> None:
+    ids = json.loads(open(ids_path).read())
+    lm = load_model(model, progress=False)
+    lm.model.to(torch.bfloat16)
+    kv = prefill(lm.model, ids)
+    torch.save({"k": [l.k for l in kv.layers], "v": [l.v for l in kv.layers], "tokens": kv.num_tokens}, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
