@@ -182,14 +182,17 @@ class FaultyStore:
     ``faults``: chunk index -> ``corrupt`` (a flipped byte), ``missing``, ``timeout`` (waits
     ``timeout_s``, then ``StoreUnavailable``), ``stall`` (blocks until :meth:`release`, as a
     store that ignores its timeout would), ``memory`` (``MemoryError``), ``bug`` (``TypeError``).
+    ``slow`` (sleeps ``timeout_s`` with ``sleep``, then answers: a stall on a virtual clock).
     ``stall_plan``: :meth:`plan` blocks until :meth:`release`. Records every get and the
     timeouts the loader passed."""
 
-    def __init__(self, store, faults: dict[int, str] | None = None, timeout_s: float = 0.0, stall_plan: bool = False):
+    def __init__(self, store, faults: dict[int, str] | None = None, timeout_s: float = 0.0, stall_plan: bool = False,
+                 sleep: Callable[[float], None] = time.sleep):
         self.store = store
         self.faults = dict(faults or {})
         self.timeout_s = timeout_s
         self.stall_plan = stall_plan
+        self.sleep = sleep
         self.gets: list[tuple[int, int]] = []
         self.timeouts: list[float | None] = []  # the timeout= of each plan and get, in call order
         self._released = threading.Event()
@@ -218,6 +221,8 @@ class FaultyStore:
             raise StoreUnavailable(f"timed out fetching chunk {ref.index} (injected)")
         if f == "stall":
             self._released.wait(60)
+        if f == "slow":
+            self.sleep(self.timeout_s)
         if f == "memory":
             raise MemoryError("injected")
         if f == "bug":
