@@ -6,6 +6,7 @@ stop it afterwards; without it on PATH they fail and say how to install it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from store_helpers import NS, RawEncoder, make_kv
 
 
@@ -90,10 +90,8 @@ class RedisServer:
         ).stdout
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError, ValueError):
             os.kill(self.pid(), signal.SIGKILL)
-        except (ProcessLookupError, FileNotFoundError, ValueError):
-            pass
 
 
 def start_redis(tmp: Path, cluster: bool = False) -> RedisServer:

@@ -197,7 +197,7 @@ def kill_at(root: str, point: str) -> None:
         os.fsync = die
     else:
         local._fsync_dir = die
-    local.LocalBackend(root).put_chunk("%064x" % 7, b"", {0: b"x" * 5000, 1: b"y" * 3000})
+    local.LocalBackend(root).put_chunk(f"{7:064x}", b"", {0: b"x" * 5000, 1: b"y" * 3000})
 
 
 if __name__ == "__main__":

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 from pathlib import Path
 
 import pytest
+from store_helpers import NS, RawEncoder, make_kv
 
 from cachegen.errors import ChunkNotFound, ConfigError, CorruptChunk, StoreError
-from cachegen.store import ChunkWrite, ContextStore, open_backend
+from cachegen.store import ContextStore, open_backend
 from cachegen.store.local import INDEX, MARKER, LocalBackend, blob_name_ok
-
-from store_helpers import NS, RawEncoder, make_kv
 
 
 def key(i: int) -> str:

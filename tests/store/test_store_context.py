@@ -25,8 +25,8 @@ def test_put_lookup_plan_get(store, kv_factory):
     assert [(r.start, r.end) for r in refs] == [(0, 16), (16, 32), (32, 48), (48, 50)]
     assert store.lookup(toks) == 50
     assert store.lookup(toks[:40]) == 32  # the stored chunk [32, 48) is not a prefix of 40 tokens
-    assert store.lookup(toks + [7, 8, 9]) == 48  # the partial chunk's key covers exactly 50 tokens
-    assert store.lookup([1] + toks[1:]) == 0
+    assert store.lookup([*toks, 7, 8, 9]) == 48  # the partial chunk's key covers exactly 50 tokens
+    assert store.lookup([1, *toks[1:]]) == 0
     plan = store.plan(toks)
     enc = store.encoder
     for info in plan:

@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from store_helpers import check_one_copy, ingest_twice, spawn
 
 from cachegen.errors import ChunkNotFound, CorruptChunk, StoreError
 from cachegen.store import ChunkWrite, ContextStore, open_backend
 from cachegen.store.local import LocalBackend
-from store_helpers import check_one_copy, ingest_twice, spawn
+
 
 def key(i: int) -> str:
     return f"{i:064x}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -11,12 +12,11 @@ import threading
 import time
 
 import pytest
+from store_helpers import check_one_copy, ingest_twice, spawn
 
 from cachegen.errors import ChunkNotFound, ConfigError, CorruptChunk, StoreError, StoreUnavailable
 from cachegen.store import ChunkWrite, open_backend
 from cachegen.store.redis_backend import RedisBackend
-
-from store_helpers import check_one_copy, ingest_twice, spawn
 
 pytestmark = pytest.mark.redis
 
@@ -167,10 +167,8 @@ class CuttingProxy:
         except OSError:
             pass
         for s in (src, dst):
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             s.close()
 
     def close(self):

@@ -14,11 +14,10 @@ import threading
 import time
 
 import pytest
+from store_helpers import NS, RawEncoder, make_kv
 
 from cachegen.errors import ConfigError, StoreUnavailable
 from cachegen.store import ContextStore, open_backend
-
-from store_helpers import NS, RawEncoder, make_kv
 
 CALL_TIMEOUT = 0.3
 BOUND = 2.0  # well under the 5 s socket timeout the calls would otherwise wait
@@ -94,8 +93,8 @@ def test_sleeping_redis_costs_the_timeout(redis_factory):
 def test_no_time_left_fails_at_once(any_url):
     cs, toks = stored(any_url)
     for t in (0, -1.0):
-        for call in (lambda: cs.plan(toks, timeout=t), lambda: cs.get(cs.refs(toks)[0], 0, timeout=t),
-                     lambda: cs.backend.get_many([(cs.refs(toks)[0].key, 0)], timeout=t)):
+        for call in (lambda t=t: cs.plan(toks, timeout=t), lambda t=t: cs.get(cs.refs(toks)[0], 0, timeout=t),
+                     lambda t=t: cs.backend.get_many([(cs.refs(toks)[0].key, 0)], timeout=t)):
             with pytest.raises(StoreUnavailable, match="ran out"):
                 call()
     assert cs.lookup(toks, timeout=30) == 64

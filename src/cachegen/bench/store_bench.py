@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 import time
+from pathlib import Path
 
 from cachegen.store.backend import ChunkWrite
 from cachegen.store.context_store import ContextStore
@@ -68,7 +69,7 @@ def codec_overhead(model: str, text_file: str, tokens: int = 1024, levels=(0, 4)
     from cachegen.engine.prefill import prefill
 
     m = load_model(model, progress=False)
-    ids = m.tokenizer(open(text_file).read())["input_ids"][:tokens]
+    ids = m.tokenizer(Path(text_file).read_text())["input_ids"][:tokens]
     kv = prefill(m.model, ids)
     c = codec.Codec(load_or_calibrate(m), m.fingerprint)
     rows = []

@@ -12,6 +12,7 @@ from cachegen.store.keys import DEFAULT_CHUNK_TOKENS, ChunkRef, Namespace, chunk
 from cachegen.store.url import default_store_url, open_backend, parse_size, redact
 
 __all__ = [
+    "DEFAULT_CHUNK_TOKENS",
     "Backend",
     "ChunkInfo",
     "ChunkRef",
@@ -19,7 +20,6 @@ __all__ = [
     "ChunkWrite",
     "ContextInfo",
     "ContextStore",
-    "DEFAULT_CHUNK_TOKENS",
     "LevelStats",
     "Namespace",
     "StoreStats",

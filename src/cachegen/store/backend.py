@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
 from cachegen.errors import StoreUnavailable
 
@@ -174,7 +174,7 @@ class Backend(ABC):
     def clear(self) -> int:
         """Remove every chunk of this store; returns how many."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most backends hold nothing to release
         pass
 
     def __enter__(self):

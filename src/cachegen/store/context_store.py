@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from cachegen.errors import ConfigError
 from cachegen.store.backend import Backend, ChunkWrite, Deadline

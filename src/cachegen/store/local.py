@@ -31,6 +31,7 @@ Why it touches only what it owns:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -41,9 +42,9 @@ import sqlite3
 import stat
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from cachegen.errors import ChunkNotFound, ConfigError, CorruptChunk, StoreError, StoreUnavailable
 from cachegen.store.backend import Backend, ChunkRow, ChunkWrite, Deadline, LevelStats, StoreStats, checksum
@@ -238,10 +239,8 @@ class LocalBackend(Backend):
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
         for suffix in ("", "-wal", "-shm"):
             src = self.root / (INDEX + suffix)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.replace(src, self.root / f"{INDEX}{suffix}.corrupt-{stamp}")
-            except FileNotFoundError:
-                pass
         log.error("store index %s is unreadable (%s): moved aside as %s.corrupt-%s; rebuilding it from the blobs",
                   self.root / INDEX, why, INDEX, stamp)
 
@@ -273,7 +272,8 @@ class LocalBackend(Backend):
             yield db
             return
         end = d.end
-        db.execute(f"PRAGMA busy_timeout={max(1, int(1000 * d.left()))}")
+        d.left()  # no time left: StoreUnavailable before any statement
+        db.execute(f"PRAGMA busy_timeout={max(1, int(1000 * (end - time.monotonic())))}")
         db.set_progress_handler(lambda: time.monotonic() > end, 1000)  # nonzero aborts the statement
         try:
             yield db
@@ -555,10 +555,8 @@ class LocalBackend(Backend):
         known = {name for (name,) in db.execute("SELECT file FROM payloads")}
         for name, p in self._blob_files():
             if name not in known:
-                try:
+                with contextlib.suppress(OSError):  # a directory, or a file we may not remove: not ours to force
                     p.unlink()
-                except OSError:  # a directory or a file we may not remove: not ours to force
-                    pass
         cutoff = time.time() - TMP_MAX_AGE_S
         for p in self.tmp.iterdir():
             if not _TMP_NAME.fullmatch(p.name):

@@ -27,11 +27,13 @@ Settings recorded with the store (a namespace's chunk size) are plain keys
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -39,7 +41,14 @@ from redis.retry import Retry
 
 from cachegen.errors import ChunkNotFound, CorruptChunk, StoreError, StoreUnavailable
 from cachegen.store.backend import (
-    CHECKSUM_SIZE, Backend, ChunkRow, ChunkWrite, Deadline, StoreStats, checksum, merge_levels,
+    CHECKSUM_SIZE,
+    Backend,
+    ChunkRow,
+    ChunkWrite,
+    Deadline,
+    StoreStats,
+    checksum,
+    merge_levels,
 )
 from cachegen.store.keys import check_key
 from cachegen.store.url import redact
@@ -155,7 +164,7 @@ class RedisBackend(Backend):
                 if not new and (not have or not w.ends_context):
                     continue  # nothing new (or nothing stored at all: no meta without sizes)
                 p = self.client.pipeline(transaction=True)  # one slot per chunk: MULTI works in a cluster too
-                fields: dict[str, int] = {"p": w.start, "w": now}
+                fields: dict[str, int | str] = {"p": w.start, "w": now}
                 if w.ends_context:
                     fields["e"] = 1
                 if w.prev:
@@ -307,10 +316,8 @@ class RedisBackend(Backend):
 
     def close(self) -> None:
         if self._client is not None:
-            try:
+            with contextlib.suppress(redis.exceptions.RedisError):
                 self._client.close()
-            except redis.exceptions.RedisError:
-                pass
             self._client = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
