@@ -6,6 +6,7 @@ import torch
 from cachegen import corpus
 from cachegen.engine.engine import Engine
 from cachegen.engine.prefill import prefill
+from cachegen.errors import ConfigError
 from cachegen.store import ContextStore, open_backend
 from cachegen.stream import TEXT, CostModel, ThrottledLink, constant
 
@@ -84,36 +85,52 @@ def test_corrupt_store_falls_back_to_exact_recompute(engine, case, tmp_path):
     store.backend.close()
 
 
-def test_http_server(engine, case):
-    import json
-    import urllib.error
-    import urllib.request
+def test_ingest_resumes_from_the_stored_prefix(engine, tmp_path):
+    store = ContextStore(open_backend(f"file://{tmp_path}"), engine.store.namespace, engine.codec, levels=(1, 7))
+    eng = Engine(engine.lm, store, engine.codec, CostModel())
+    ids = corpus.needle_case(engine.tokenizer, 1100, seed=9).context_ids
+    first = eng.ingest(ids[:600])  # an "interrupted" ingest: the first chunks of the context
+    assert first.reused_tokens == 0 and first.written == 3
+    again = eng.ingest(ids)
+    assert again.reused_tokens == 512  # the two full chunks stored: loaded, not prefilled
+    assert again.written == len(store.plan(ids)) - 2
+    assert store.lookup(ids) == len(ids)
+    eng.close()
 
-    from cachegen.engine.server import CacheGenServer, serve_in_thread
 
-    srv = CacheGenServer(engine, port=0)
-    serve_in_thread(srv)
+def test_automatic_reuse_across_requests_and_turns(engine, tmp_path):
+    from cachegen.engine.sampling import SamplingParams
 
-    def post(path, obj):
-        req = urllib.request.Request(srv.url + path, data=json.dumps(obj).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.loads(r.read())
+    store = ContextStore(open_backend(f"file://{tmp_path}"), engine.store.namespace, engine.codec, 64, levels=(1,))
+    eng = Engine(engine.lm, store, engine.codec, CostModel())
+    doc = corpus.take_tokens(engine.tokenizer, corpus.text("pydoc-eval"), 300)
+    msgs = [{"role": "user", "content": doc + "\n\nWhat is this about?"}]
+    p = SamplingParams(max_tokens=12)
+    one = eng.chat(msgs, p)
+    assert one.cached_tokens == 0 and one.finish_reason in ("stop", "length") and one.text
+    eng.writer.flush(120)
+    assert eng.writer.stats.written_chunks > 0 and eng.writer.stats.failed == 0
+    same = eng.chat(msgs, p)
+    assert same.cached_tokens == (len(one.prompt) - 1) // 64 * 64
+    eng.writer.flush(120)
+    two = eng.chat(msgs + [{"role": "assistant", "content": one.text}, {"role": "user", "content": "Shorter."}], p)
+    assert two.cached_tokens >= (len(one.prompt) + len(one.token_ids)) // 64 * 64
+    assert two.cached_tokens % 64 == 0 and not two.faults
+    eng.close()
 
-    try:
-        with urllib.request.urlopen(srv.url + "/health", timeout=10) as r:
-            assert json.loads(r.read())["ok"] is True
-        ing = post("/ingest", {"tokens": case.context_ids})
-        assert ing["tokens"] == len(case.context_ids)
-        out = post("/generate", {"context_tokens": case.context_ids, "question_tokens": case.question_ids,
-                                 "max_new_tokens": 8, "slo_s": None})
-        assert out["cached_tokens"] == len(case.context_ids)
-        assert corpus.is_correct(out["text"], case), out
-        assert out["levels"] and out["ttft_s"] > 0
-        for bad in ({"context": 5, "question": "x"}, {"context": "a", "question": "b", "max_new_tokens": -1}):
-            with pytest.raises(urllib.error.HTTPError) as e:
-                post("/generate", bad)
-            assert e.value.code == 400
-    finally:
-        srv.shutdown()
-        srv.server_close()
+
+def test_sampling_and_stop_strings(engine):
+    from cachegen.engine.sampling import SamplingParams
+
+    ids = engine.tokenizer("1, 2, 3, 4, 5,")["input_ids"]
+    greedy = engine.start(ids, SamplingParams(max_tokens=6), None).run()
+    assert greedy.token_ids == engine.start(ids, SamplingParams(max_tokens=6)).run().token_ids
+    a = engine.start(ids, SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=3)).run()
+    b = engine.start(ids, SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=3)).run()
+    assert a.token_ids == b.token_ids
+    stop = engine.start(ids, SamplingParams(max_tokens=12, stop=(",",))).run()
+    assert "," not in stop.text and stop.finish_reason == "stop"
+    with pytest.raises(ConfigError):
+        engine.start([10**9], SamplingParams(max_tokens=1))
+    with pytest.raises(ConfigError):
+        engine.start([5] * 8000, SamplingParams(max_tokens=500))

@@ -136,6 +136,7 @@ def run_all(
     codec_bench: bool = True,
     ttft_dtype: str = "bfloat16",
     stream: bool = True,
+    serve: bool = True,
 ) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -191,6 +192,14 @@ def run_all(
         t = time.perf_counter()
         md += _stream_section(model, out, sizes, link)
         timings["stream"] = time.perf_counter() - t
+
+    if serve:
+        from cachegen.bench.serve_bench import section as serve_section
+
+        log.info("== serve")
+        t = time.perf_counter()
+        md += serve_section(model, out, quick)
+        timings["serve"] = time.perf_counter() - t
 
     if codec_bench:
         log.info("== codec")

@@ -1,36 +1,144 @@
-"""``cachegen serve``: the engine behind a small HTTP/JSON API (see ``cachegen.engine.server``)."""
+"""``cachegen serve``: the OpenAI-compatible server (see :mod:`cachegen.serve`).
+
+Every flag also reads a ``CACHEGEN_<FLAG>`` environment variable (``--api-key``:
+``CACHEGEN_API_KEY``); a flag given on the command line wins. The port, the
+levels and the store are checked before the model loads.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import socket
 
-from cachegen.engine.models import DEFAULT_MODEL
+from cachegen.cli import checks, options
+from cachegen.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_TRUE = {"1", "true", "yes", "on"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve ingest and generate over HTTP/JSON")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--store", default=None, metavar="URL", help="store URL (default: the local store)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--slo", type=float, default=None, help="default load deadline in seconds")
-    p.add_argument("--verbose", action="store_true", help="log every request")
+    p = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions, /v1/completions) "
+                                     "that reuses stored contexts automatically",
+                       description="Serve the model over OpenAI's API. Every flag can also be set with the "
+                                   "environment variable CACHEGEN_<FLAG> (e.g. CACHEGEN_API_KEY, CACHEGEN_PORT).")
+    options.model(p)
+    options.store(p)
+    options.chunk_tokens(p)
+    options.levels(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_port, default=8080, help="TCP port (default 8080)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: no key)")
+    p.add_argument("--slo-s", type=checks.positive_float, default=None, metavar="SECONDS",
+                   help="default deadline for loading a prompt's stored prefix (default: none, best quality); "
+                        "a request overrides it with cachegen.slo_s")
+    p.add_argument("--max-queue", type=_non_negative, default=16, metavar="N",
+                   help="requests that may wait for the model; more get 429 (default 16)")
+    p.add_argument("--max-tokens", type=checks.positive_int, default=256, metavar="N",
+                   help="answer length of a chat request that sets no max_tokens (default 256)")
+    p.add_argument("--max-body-bytes", type=checks.positive_int, default=2 << 20, metavar="N",
+                   help="largest request body (default 2 MiB)")
+    p.add_argument("--max-json-depth", type=checks.positive_int, default=64, metavar="N",
+                   help="deepest JSON nesting accepted (default 64)")
+    p.add_argument("--read-timeout-s", type=checks.positive_float, default=30.0, metavar="SECONDS",
+                   help="a request body must arrive within this (default 30)")
+    p.add_argument("--keep-alive-s", type=checks.positive_float, default=5.0, metavar="SECONDS",
+                   help="idle keep-alive connections close after this (default 5)")
+    p.add_argument("--max-connections", type=checks.positive_int, default=256, metavar="N",
+                   help="open connections beyond this get 503 (default 256)")
+    p.add_argument("--max-pending-writes", type=checks.positive_int, default=8, metavar="N",
+                   help="background store writes that may wait; more are dropped and counted (default 8)")
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    _env_defaults(p)
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from cachegen.engine.engine import Engine
-    from cachegen.engine.server import CacheGenServer
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {n}")
+    return n
 
-    with Engine.open(args.model, args.store) as eng:
-        eng.costs()
-        srv = CacheGenServer(eng, args.host, args.port, default_slo_s=args.slo, verbose=args.verbose)
-        print(f"cachegen serving {eng.lm.name} on {srv.url} (POST /ingest, POST /generate, GET /health, GET /stats)",
-              flush=True)
-        try:
-            srv.serve_forever()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            srv.server_close()
+
+def _non_negative(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {n}")
+    return n
+
+
+def _env_defaults(p: argparse.ArgumentParser) -> None:
+    """Defaults from ``CACHEGEN_<DEST>``: argparse runs a string default through the option's type."""
+    for a in p._actions:
+        if not a.option_strings or a.dest in ("help", "verbose", "quiet"):
+            continue
+        env = os.environ.get("CACHEGEN_" + a.dest.upper())
+        if env is None:
+            continue
+        if isinstance(a, argparse._StoreTrueAction):
+            a.default = env.strip().lower() in _TRUE
+        else:
+            a.default = env
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads (a busy port fails in a second, not after it)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"cannot resolve --host {host!r}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno in (98, 48):  # EADDRINUSE on Linux, macOS
+            raise ConfigError(f"port {port} on {host} is in use: stop what holds it or pick another --port") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    levels = checks.levels(args.levels)
+    sock = bind(args.host, args.port)
+    try:
+        checks.store(args.store)
+        import uvicorn
+
+        from cachegen.engine.engine import Engine
+        from cachegen.serve import ServeConfig, create_app
+
+        with Engine.open(args.model, args.store, args.chunk_tokens, levels,
+                         progress=False) as eng:
+            eng.writer.max_pending = args.max_pending_writes
+            eng.costs()  # measured once per machine and cached: not on the first request's clock
+            cfg = ServeConfig(model_name=eng.lm.name, api_key=args.api_key or None, max_queue=args.max_queue,
+                              max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
+                              read_timeout_s=args.read_timeout_s, default_max_tokens=args.max_tokens,
+                              slo_s=args.slo_s)
+            app = create_app(eng, cfg)
+            host, port = sock.getsockname()[:2]
+            print(f"cachegen serving {eng.lm.name} on http://{host}:{port}/v1 "
+                  f"({'API key required' if cfg.api_key else 'no API key'})", flush=True)
+            server = uvicorn.Server(uvicorn.Config(
+                app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
+                timeout_keep_alive=int(max(args.keep_alive_s, 1)), limit_concurrency=args.max_connections,
+                h11_max_incomplete_event_size=64 * 1024, lifespan="on"))
+            server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

@@ -1,14 +1,22 @@
-"""Prefill, continuation and greedy generation on a transformers model, in KVCache terms."""
+"""Prefill, continuation and the one decoding loop on a transformers model, in KVCache terms.
+
+:class:`Decoder` is a batch-1 session over a *recording* cache (sliding
+layers keep every token), so whatever it computed — a prompt's suffix, a
+generated answer — can be read back as a :class:`~cachegen.kv.KVCache` and
+stored. :func:`prefill`, :func:`generate` and :func:`greedy_generate` all run
+through it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
-from cachegen.engine.hf_cache import finish_recording, from_transformers, recording_cache, to_transformers
-from cachegen.kv import KVCache
+from cachegen.engine.hf_cache import finish_recording, layer_kinds, recording_cache, to_transformers
+from cachegen.errors import ConfigError
+from cachegen.kv import KVCache, KVLayer
 from cachegen.progress import bar
 
 
@@ -17,7 +25,53 @@ def _ids(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return t.view(1, -1)
 
 
-@torch.inference_mode()
+class Decoder:
+    """A model and its cache after ``prefix``: feed tokens, get the last logits, read the KV back."""
+
+    def __init__(self, model, prefix: KVCache | None = None):
+        self.model = model
+        self.cache = recording_cache(model.config)
+        self.start = 0  # a model cache starts at token 0
+        self.length = prefix.end if prefix is not None else 0
+        if prefix is not None:
+            for layer, l in zip(self.cache.layers, prefix.layers):
+                layer.update(l.k.unsqueeze(0).to(model.dtype), l.v.unsqueeze(0).to(model.dtype))
+
+    @torch.inference_mode()
+    def feed(self, tokens: Sequence[int], step: int = 512, progress: bool = False,
+             cancelled: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Run ``tokens`` after what is cached; the float logits of the last one (``[vocab]``).
+
+        Runs in steps of ``step`` tokens (bounded memory, a progress bar, a
+        cancellation point between steps: ``cancelled()`` true stops early)."""
+        ids = _ids(tokens)
+        logits = None
+        with bar(ids.shape[1], "prefill", enabled=progress) as pb:
+            for a in range(0, ids.shape[1], step):
+                if cancelled is not None and a and cancelled():
+                    break
+                out = self.model(input_ids=ids[:, a : a + step], cache=self.cache, use_cache=True)
+                self.cache = out.cache
+                self.length += min(step, ids.shape[1] - a)
+                logits = out.logits[0, -1]
+                pb.update(min(step, ids.shape[1] - a))
+        return logits.float() if logits is not None else torch.empty(0)
+
+    def kv(self, a: int | None = None, b: int | None = None) -> KVCache:
+        """A copy of the KV of tokens ``[a, b)`` (default: all of it), without copying the rest."""
+        a = self.start if a is None else a
+        b = self.length if b is None else b
+        if not self.start <= a <= b <= self.length:
+            raise ConfigError(f"tokens [{a}, {b}) outside the decoder's [{self.start}, {self.length})")
+        layers = []
+        for layer, (kind, window) in zip(self.cache.layers, layer_kinds(self.model.config)):
+            k, v = layer.keys, layer.values
+            if k is None or k.shape[2] != self.length:
+                raise ConfigError("a cache layer lost tokens: the decoder must use a recording cache")
+            layers.append(KVLayer(k[0, :, a:b].clone(), v[0, :, a:b].clone(), kind, window))
+        return KVCache(layers, start=a)
+
+
 def prefill(model, tokens: Sequence[int], prefix: KVCache | None = None, step: int = 512, progress: bool = False) -> KVCache:
     """KV of ``tokens`` (positions ``[prefix.end, ...)``), computed after ``prefix`` if given.
 
@@ -25,20 +79,37 @@ def prefill(model, tokens: Sequence[int], prefix: KVCache | None = None, step: i
     every token of sliding layers so the result can be stored and sliced.
     Returns only the new tokens' KV.
     """
-    cfg = model.config
-    start = prefix.end if prefix is not None else 0
-    cache = recording_cache(cfg)
-    if prefix is not None:
-        for layer, l in zip(cache.layers, prefix.layers):
-            layer.update(l.k.unsqueeze(0).to(model.dtype), l.v.unsqueeze(0).to(model.dtype))
-    ids = _ids(tokens)
-    with bar(ids.shape[1], "prefill", enabled=progress) as pb:
-        for a in range(0, ids.shape[1], step):
-            out = model(input_ids=ids[:, a : a + step], cache=cache, use_cache=True)
-            cache = out.cache
-            pb.update(min(step, ids.shape[1] - a))
-    kv = from_transformers(cache, cfg, start=0)
-    return kv.slice(start, kv.end)
+    dec = Decoder(model, prefix)
+    start = dec.length
+    dec.feed(tokens, step=step, progress=progress)
+    return dec.kv(start, dec.length)
+
+
+def generate(dec: Decoder, tail: Sequence[int], pick: Callable[[torch.Tensor], int], max_new_tokens: int,
+             eos_ids: set[int] | frozenset[int] = frozenset(),
+             cancelled: Callable[[], bool] | None = None) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` tokens after feeding ``tail``: the one decoding loop.
+
+    The first token comes after the prefill of ``tail``; an end-of-sequence
+    token is yielded and ends the loop. The last token yielded is not fed back
+    (nothing would read its logits), so ``dec`` then holds the KV of
+    everything before it. ``cancelled()`` is checked between steps.
+    """
+    logits = dec.feed(tail, cancelled=cancelled)
+    for n in range(max_new_tokens):
+        if cancelled is not None and cancelled():
+            return
+        nxt = pick(logits)
+        yield nxt
+        if nxt in eos_ids or n + 1 == max_new_tokens:
+            return
+        logits = dec.feed([nxt])
+
+
+def greedy_generate(model, kv: KVCache | None, prompt_tail: Sequence[int], max_new_tokens: int, eos_ids: set[int] | None = None) -> list[int]:
+    """Greedy decoding after a cached prefix: the first step prefills ``prompt_tail``."""
+    return list(generate(Decoder(model, kv), prompt_tail, lambda lg: int(torch.argmax(lg)), max_new_tokens,
+                         frozenset(eos_ids or ())))
 
 
 @dataclass
@@ -49,27 +120,11 @@ class Continuation:
 
 @torch.inference_mode()
 def continue_from(model, kv: KVCache | None, tokens: Sequence[int]) -> Continuation:
-    """Run ``tokens`` after a cached prefix ``kv`` (or from scratch) and return their logits."""
+    """Run ``tokens`` after a cached prefix ``kv`` (or from scratch) and return all their logits."""
     cache = to_transformers(kv, model.config, dtype=model.dtype) if kv is not None else None
     kwargs = {"cache": cache} if cache is not None else {}
     out = model(input_ids=_ids(tokens), use_cache=True, **kwargs)
     return Continuation(out.logits[0].float(), out.cache)
-
-
-@torch.inference_mode()
-def greedy_generate(model, kv: KVCache | None, prompt_tail: Sequence[int], max_new_tokens: int, eos_ids: set[int] | None = None) -> list[int]:
-    """Greedy decoding after a cached prefix: the first step prefills ``prompt_tail``."""
-    step = continue_from(model, kv, prompt_tail)
-    cache, logits = step.cache, step.logits[-1]
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        nxt = int(torch.argmax(logits))
-        out.append(nxt)
-        if eos_ids and nxt in eos_ids:
-            break
-        res = model(input_ids=_ids([nxt]), cache=cache, use_cache=True)
-        cache, logits = res.cache, res.logits[0, -1].float()
-    return out
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -82,4 +137,13 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-__all__ = ["prefill", "continue_from", "greedy_generate", "eos_token_ids", "Continuation", "finish_recording"]
+__all__ = [
+    "Continuation",
+    "Decoder",
+    "continue_from",
+    "eos_token_ids",
+    "finish_recording",
+    "generate",
+    "greedy_generate",
+    "prefill",
+]
