@@ -224,3 +224,51 @@ def test_ctrl_c_exits_130_and_the_next_run_starts_over(env, tmp_path):
     assert "interrupted" in err and "Traceback" not in err
     models = tmp_path / "home" / "models"
     assert not (models / "smollm2-135m").exists()  # built in a temporary directory, renamed when complete
+
+
+# -- logging and bugs ----------------------------------------------------------------
+
+def test_verbose_shows_the_details_of_a_user_error(env):
+    r = cachegen(env, "-v", "demo", "--model", "no-such-model")
+    assert r.returncode == 2
+    assert r.stderr.startswith("cachegen: error: unknown model 'no-such-model'")
+    assert "debug cachegen.cli.main" in r.stderr and "ModelNotFound" in r.stderr
+
+
+def test_logging_levels(monkeypatch):
+    import logging
+
+    from cachegen.cli.main import configure_logging
+
+    log = logging.getLogger("cachegen.some.module")
+    try:
+        configure_logging()
+        assert log.isEnabledFor(logging.INFO) and not log.isEnabledFor(logging.DEBUG)
+        configure_logging(verbose=1)
+        assert log.isEnabledFor(logging.DEBUG)
+        configure_logging(quiet=True)
+        assert not log.isEnabledFor(logging.WARNING) and log.isEnabledFor(logging.ERROR)
+        assert not logging.getLogger("urllib3").isEnabledFor(logging.WARNING)
+        ours = [h for h in logging.getLogger().handlers if getattr(h, "_cachegen", False)]
+        assert len(ours) == 1  # configuring again replaces the handler
+    finally:
+        from cachegen import progress
+
+        for h in [h for h in logging.getLogger().handlers if getattr(h, "_cachegen", False)]:
+            logging.getLogger().removeHandler(h)
+        logging.getLogger().setLevel(logging.WARNING)
+        logging.getLogger("cachegen").setLevel(logging.NOTSET)
+        progress.set_enabled(True)
+
+
+def test_an_unexpected_exception_is_reported_as_a_bug(monkeypatch, capsys):
+    from cachegen.cli import main as cli_main
+    from cachegen.cli import models
+
+    def broken(args):
+        raise RuntimeError("something inside went wrong")
+
+    monkeypatch.setattr(models, "run", broken)
+    assert cli_main.main(["models"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: something inside went wrong" in err and "a bug" in err

@@ -85,7 +85,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 class _Formatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage()
-        if record.exc_info and record.levelno >= logging.ERROR:
+        if record.exc_info:
             msg += "\n" + self.formatException(record.exc_info)
         if record.levelno >= logging.WARNING:
             return f"cachegen: {record.levelname.lower()}: {msg}"
@@ -134,6 +134,9 @@ def _silence_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # third-party tqdm bars that ignore transformers' switch (its GGUF conversion): off before tqdm is
+    # imported; cachegen's own bars pass disable= explicitly and draw only on a terminal
+    os.environ.setdefault("TQDM_DISABLE", "1")
     try:
         parser = build_parser(argv)
         args = parser.parse_args(argv)
