@@ -173,11 +173,17 @@ def cluster_url(redis_cluster) -> str:
     return url
 
 
-@pytest.fixture(params=["file", "redis", "cluster"])
+@pytest.fixture(params=["file", "redis", "cluster", "mock"])
 def any_url(request, tmp_path):
     """Each backend in turn, for behaviour they must share."""
     if request.param == "file":
         return f"file://{tmp_path / 'store'}"
+    if request.param == "mock":
+        from cachegen.store.mock import forget
+
+        name = f"test-{os.getpid()}-{id(request)}"
+        request.addfinalizer(lambda: forget(name))
+        return f"mock://{name}"
     if request.param == "redis":
         return request.getfixturevalue("redis_url")
     return request.getfixturevalue("cluster_url")

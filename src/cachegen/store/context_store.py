@@ -93,10 +93,10 @@ class ContextStore:
             if self._wanted is None:
                 self.chunk_tokens = n
             elif n != self._wanted:
-                raise ConfigError(
-                    f"the store {redact(self.backend.url)} holds this model's chunks with {n} tokens each, "
-                    f"not {self._wanted}: pass --chunk-tokens {n} (chunk_tokens={n}) or use another store"
-                )
+                msg = (f"the store {redact(self.backend.url)} holds this model's chunks with {n} tokens each, "
+                       f"not {self._wanted}: pass --chunk-tokens {n} (chunk_tokens={n}) or use another store")
+                log.error("%s", msg)  # logged too: a loader that falls back on any error must not hide it
+                raise ConfigError(msg)
         self._checked = True
 
     def _claim(self) -> None:

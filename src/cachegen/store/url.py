@@ -6,6 +6,7 @@
   would be a host, and the path would silently become ``/...``.
 * ``redis://[:password@]HOST:PORT/DB[?timeout=0.5&ttl=3600&retries=0]``
 * ``redis+cluster://HOST:PORT[?timeout=...&ttl=...]`` — any node of the cluster.
+* ``mock://NAME[?latency=S&fail=P&missing=P&corrupt=P&seed=N]`` — in memory, with injected faults (tests).
 """
 
 from __future__ import annotations
@@ -130,5 +131,11 @@ def open_backend(url: str | None = None, *, create: bool = True) -> Backend:
             retries=_number(opts, "retries", int) or 0,
             url=url,
         )
+    if scheme == "mock":
+        from cachegen.store.mock import Faults, MockBackend
+
+        opts = _options(u.query, {"latency", "fail", "missing", "corrupt", "seed"})
+        faults = {k: _number(opts, k) for k in ("latency", "fail", "missing", "corrupt") if k in opts}
+        return MockBackend(u.netloc + u.path, Faults(**faults, seed=_number(opts, "seed", int) or 0))
     raise ConfigError(f"unknown store URL {redact(url)!r}: use file:///PATH, redis://HOST:PORT/DB or "
                       "redis+cluster://HOST:PORT")
