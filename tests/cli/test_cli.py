@@ -272,3 +272,19 @@ def test_an_unexpected_exception_is_reported_as_a_bug(monkeypatch, capsys):
     assert cli_main.main(["models"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "RuntimeError: something inside went wrong" in err and "a bug" in err
+
+
+@pytest.mark.model
+def test_loading_a_model_into_redirected_output_draws_no_bars(env, smollm2):
+    """transformers' "Loading weights" bar and cachegen's spinner stay off when stderr is not a terminal."""
+    r = cachegen(env, "models", "--prepare", smollm2.path)
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr and "Loading" not in r.stderr and "%|" not in r.stderr, r.stderr
+    assert smollm2.fingerprint in r.stdout
+
+
+def test_result_paths_are_checked_before_the_run(env, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    assert_user_error(cachegen(env, "bench", "quality", "--json", tmp_path), "directory")
+    assert_user_error(cachegen(env, "bench", "needle", "--plot", tmp_path / "afile" / "p.png"), "--plot")
+    assert_user_error(cachegen(env, "bench", "all", "--out", tmp_path / "afile"), "--out")

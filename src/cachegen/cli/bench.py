@@ -31,6 +31,8 @@ def _prepare(args: argparse.Namespace) -> tuple:
     """Checks first, then the model and its codecs."""
     from cachegen.bench.cli import codecs_for, load
 
+    checks.output_path(args.json, "--json")
+    checks.output_path(args.plot, "--plot")
     if getattr(args, "text", None):
         checks.text_source(args.text)
     tokens = getattr(args, "context_tokens", 0) + getattr(args, "continuation_tokens", 0)
@@ -81,6 +83,7 @@ def cmd_all(args: argparse.Namespace) -> int:
     from cachegen.bench.all import run_all
 
     checks.model_positions(args.model)  # an unknown model fails here, before the first benchmark
+    checks.output_dir(args.out)
     run_all(args.out, model=args.model, dtype=args.dtype, codecs=args.codecs, needle_cases=args.needle_cases,
             quick=args.quick, link=args.link, codec_bench=not args.skip_codec, stream=not args.skip_stream,
             ttft_dtype=args.ttft_dtype)

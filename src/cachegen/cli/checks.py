@@ -174,3 +174,33 @@ def text_source(name: str) -> None:
 
     if name not in corpus.source_names():
         text_file(name)
+
+
+def output_path(path: str | Path | None, what: str = "--json") -> None:
+    """A results file that can be written later: checked first, so a long run never ends in a lost result."""
+    if path is None or str(path) == "-":
+        return
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"{what} {p} is a directory; give a file path")
+    parent = p.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{what} {p}: cannot create {parent} ({e.strerror or e}); choose another path") from None
+    import os
+
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{what} {p}: {parent} is not writable; choose another path")
+
+
+def output_dir(path: str | Path, what: str = "--out") -> Path:
+    """A directory for results, created now."""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{what} {p} is a file; give a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{what} {p}: cannot create it ({e.strerror or e}); choose another directory") from None
+    return p

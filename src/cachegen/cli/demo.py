@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from cachegen.stream import ThrottledLink, constant
     from cachegen.stream.costs import TEXT
 
+    checks.output_path(args.json)
     checks.context_length(args.model, args.context_tokens, "--context-tokens")
     checks.store(args.store)
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 import time
 
-from cachegen.cli import options
+from cachegen.cli import checks, options
 from cachegen.cli.output import write_json
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ def rows() -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    checks.output_path(args.json)
     if args.prepare:
         from cachegen.engine.models import load_model
 
