@@ -1,19 +1,22 @@
-"""Generate ``src/cachegen/codec/_rans_lanes.py``: the interleaved rANS decoder with its 16 lanes unrolled.
+"""Generate ``src/cachegen/codec/rans/_lanes.py``: the interleaved rANS decoder with its 16 lanes unrolled.
 
 Why generated: numba keeps 16 named local states in registers and indexes with
 unsigned integers (no negative-index wraparound checks), which measured 1.5x
 faster than a ``states`` array indexed by ``c & 15``; written out by hand that is
-~150 repetitive lines. Run ``python tools/gen_rans_lanes.py`` after editing this
-file; ``tests/codec/test_rans_lanes_generated.py`` fails when the module is stale.
+~270 repetitive lines. Run ``python tools/gen_rans_lanes.py`` after editing this
+file (it rewrites the module only when its text changes); ``--check`` exits 1 when
+the module is stale and never writes (``tests/codec/test_rans.py::test_generated_lanes_module_is_current``
+runs it).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 LANES = 16
-TARGET = Path(__file__).resolve().parents[1] / "src" / "cachegen" / "codec" / "_rans_lanes.py"
+TARGET = Path(__file__).resolve().parents[1] / "src" / "cachegen" / "codec" / "rans" / "_lanes.py"
 
 
 def _lane(j: int, indent: str) -> list[str]:
@@ -86,6 +89,22 @@ def source() -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":
-    TARGET.write_text(source())
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the generated module is stale; never write it")
+    args = ap.parse_args(argv)
+    want = source()
+    have = TARGET.read_text() if TARGET.exists() else None
+    if have == want:
+        print(f"{TARGET} is up to date", file=sys.stderr)
+        return 0
+    if args.check:
+        print(f"{TARGET} is stale: run python tools/gen_rans_lanes.py", file=sys.stderr)
+        return 1
+    TARGET.write_text(want)
     print(f"wrote {TARGET}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

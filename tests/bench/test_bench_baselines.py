@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachegen.bench import baselines as B
-from cachegen.errors import CodecError, ConfigError, CorruptChunk
+from cachegen.codec import ChunkCodec
+from cachegen.codec.container import Reader
+from cachegen.errors import ConfigError, CorruptChunk
 from cachegen.kv import KVCache, KVLayer, LayerKind
 
 
@@ -38,12 +40,12 @@ def _maxerr(a: KVCache, b: KVCache) -> float:
 ALL = ["fp16", "bf16", "uniform8", "uniform4", "kivi2", "kivi4", "cachegen-released"]
 
 
-@pytest.mark.parametrize("codec", [c for n in ALL for c in B.baseline(n)], ids=B.label)
-def test_roundtrip_keeps_layout_and_start(codec):
+@pytest.mark.parametrize("v", B.make_codecs(ALL), ids=lambda v: v.label)
+def test_roundtrip_keeps_layout_and_start(v):
     kv = _kv(start=512, sliding=True)
-    data = codec.encode(kv)
+    data = v.codec.encode(kv, v.level)
     assert isinstance(data, bytes)
-    back = codec.decode(data)
+    back = v.codec.decode(data)
     _layout_equal(kv, back)
     assert [l.kind for l in back.layers] == [l.kind for l in kv.layers]
     assert [l.window for l in back.layers] == [l.window for l in kv.layers]
@@ -107,7 +109,7 @@ def test_kivi_groups_error_and_size(bits, tokens, dim):
             assert bool(((g - r).abs() <= step * 0.5 * 1.01 + 2e-2).all())
     # KIVI-4 is finer than KIVI-2
     if bits == 4:
-        assert _maxerr(kv, back) < _maxerr(kv, B.KiviCodec(2).decode(B.KiviCodec(2).encode(kv)))
+        assert _maxerr(kv, back) < _maxerr(kv, B.KiviCodec(2).decode(B.KiviCodec(2).encode(kv, 0)))
 
 
 def test_released_bins_per_level_and_layer():
@@ -142,10 +144,10 @@ def test_released_cdf_table_format():
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_released_size_counts_tables_scales_and_streams(level):
     kv = _kv(layers=2, heads=3, tokens=300, dk=64, dv=64)  # one full 256-token chunk and a 44-token one
-    c = B.CacheGenReleasedCodec(level)
-    data = c.encode(kv)
+    c = B.CacheGenReleasedCodec()
+    data = c.encode(kv, level)
     # walk the format: header, then per chunk, layer, K/V: CDFs, scales, stream lengths, words
-    r = B._Reader(data)
+    r = Reader(memoryview(data), "test")
     B._read_header(r, c.name)
     tables = 0
     for n in (256, 44):
@@ -158,14 +160,14 @@ def test_released_size_counts_tables_scales_and_streams(level):
             r.take(2 * int(lengths.sum()))
     r.done()
     # a full 256-token chunk's tables alone cost 33 * 16 / 256 = 2.06 bits per value
-    one = B.CacheGenReleasedCodec(level).encode(kv.slice(0, 256))
+    one = c.encode(kv.slice(0, 256), level)
     assert 8 * len(one) / kv.slice(0, 256).num_values > 33 * 16 / 256
     back = c.decode(data)
     _layout_equal(kv, back)
     # error bound: half a step of the per-token absmax grid
     for i, (x, y) in enumerate(zip(kv.layers, back.layers)):
         for is_key, a, b in ((True, x.k, y.k), (False, x.v, y.v)):
-            bins = c._bins(i, is_key)
+            bins = c._bins(level, i, is_key)
             mx = a.abs().amax(dim=(0, 2))  # per token over all heads and channels
             step = mx / (bins // 2 - 1)
             assert bool(((a - b).abs() <= step[None, :, None] * 0.5 + 1e-5).all())
@@ -175,8 +177,8 @@ def test_released_levels_order_size_and_error():
     kv = _kv(layers=24, heads=3, tokens=256)
     sizes, errs = [], []
     for lv in (1, 2, 3):
-        c = B.CacheGenReleasedCodec(lv)
-        d = c.encode(kv)
+        c = B.CacheGenReleasedCodec()
+        d = c.encode(kv, lv)
         sizes.append(len(d))
         errs.append(_maxerr(kv, c.decode(d)))
     assert sizes[0] < sizes[1] < sizes[2]
@@ -185,37 +187,44 @@ def test_released_levels_order_size_and_error():
 
 def test_decode_rejects_bad_bytes():
     kv = _kv(tokens=40)
-    for c in (B.RawCodec("fp16"), B.UniformCodec(4), B.KiviCodec(2), B.CacheGenReleasedCodec(2)):
-        data = c.encode(kv)
+    for c, lv in ((B.RawCodec("fp16"), 0), (B.UniformCodec(4), 0), (B.KiviCodec(2), 0), (B.CacheGenReleasedCodec(), 2)):
+        data = c.encode(kv, lv)
         with pytest.raises(CorruptChunk):
             c.decode(data[:-3])
         with pytest.raises(CorruptChunk):
             c.decode(b"XXXX" + data[4:])
         with pytest.raises(CorruptChunk):
             c.decode(data + b"\0")
-    with pytest.raises(CodecError):
+    with pytest.raises(CorruptChunk):  # another codec's chunk
         B.UniformCodec(8).decode(B.UniformCodec(4).encode(kv))
-    with pytest.raises(CodecError):
-        B.CacheGenReleasedCodec(1).decode(B.CacheGenReleasedCodec(2).encode(kv))
+    data = bytearray(B.CacheGenReleasedCodec().encode(kv, 2))
+    data[6 + len(b"cachegen-released")] = 9  # the level byte: no such level
+    with pytest.raises(CorruptChunk):
+        B.CacheGenReleasedCodec().decode(bytes(data))
 
 
 def test_registry_and_names():
-    names = [B.label(c) for c in B.make_codecs(["fp16", "uniform8", "kivi2", "cachegen-released:2", "cachegen-released"])]
+    names = [v.label for v in B.make_codecs(["fp16", "uniform8", "kivi2", "cachegen-released:2", "cachegen-released"])]
     assert names == ["fp16", "uniform8", "kivi2", "cachegen-released/L2", "cachegen-released/L1",
                      "cachegen-released/L2", "cachegen-released/L3"]
-    for c in B.make_codecs(["fp16", "kivi4"]):
-        assert isinstance(c, B.KVCodec)
+    for v in B.make_codecs(["fp16", "kivi4", "cachegen-released"]):
+        assert isinstance(v.codec, ChunkCodec)
+    assert [v.row_level for v in B.make_codecs(["fp16", "cachegen-released:3"])] == [None, 3]
     with pytest.raises(ConfigError):
         B.baseline("nope")
     with pytest.raises(ConfigError):
-        B.CacheGenReleasedCodec(4)
+        B.CacheGenReleasedCodec().encode(_kv(tokens=8), 4)
+    with pytest.raises(ConfigError):
+        B.make_codecs(["cachegen-released:4"])
+    with pytest.raises(ConfigError):
+        B.RawCodec("fp16").encode(_kv(tokens=8), 3)
     with pytest.raises(ConfigError):
         B.make_codecs(["cachegen"])  # the project codec needs the model
 
 
 def test_roundtrip_chunks_and_bits_per_value():
     kv = _kv(tokens=600)
-    back, size, blobs = B.roundtrip_chunks(B.RawCodec("fp16"), kv)
+    back, size, blobs = B.roundtrip_chunks(B.Variant(B.RawCodec("fp16"), 0), kv)
     assert len(blobs) == 3 and size == sum(map(len, blobs))
     assert 16 < 8 * size / kv.num_values < 16.01
     _layout_equal(kv, back)

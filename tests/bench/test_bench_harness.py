@@ -108,7 +108,7 @@ def test_batched_greedy_matches_one_at_a_time(tiny_lm):
 
     ids = text_ids(tiny_lm.tokenizer, "pydoc-eval", 140)
     kv = prefill(tiny_lm.model, ids[:128])
-    kvs = [kv] + [c.decode(c.encode(kv)) for c in B.make_codecs(["uniform4", "kivi2"])]
+    kvs = [kv] + [v.codec.decode(v.codec.encode(kv, v.level)) for v in B.make_codecs(["uniform4", "kivi2"])]
     got = batched_greedy(tiny_lm.model, kvs, ids[128:], 6, {259})
     assert got == [greedy_generate(tiny_lm.model, k, ids[128:], 6, {259}) for k in kvs]
 

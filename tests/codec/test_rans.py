@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st, HealthCheck
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cachegen.codec import rans
 from cachegen.errors import CodecError, CorruptChunk
@@ -59,16 +60,19 @@ def test_hostile_blobs(junk, pos):
     m = rans.Categorical.from_counts(np.array([5, 3, 1, 1]), 12)
     sym = np.random.default_rng(0).integers(0, 4, size=(3, 50)).astype(np.uint8)
     good = bytearray(rans.encode(sym, [m]))
-    for blob in (junk, bytes(good[: pos % len(good)]), bytes(good[:13]) + junk):
+    def decodes_or_refuses(blob):
+        """CorruptChunk, or symbols of the shape the blob's header states, inside the alphabet."""
         try:
-            rans.decode(blob, [m])
+            out = rans.decode(blob, [m])
         except CorruptChunk:
-            pass
+            return
+        s_, n_ = np.frombuffer(blob[4:12], dtype="<u4")
+        assert out.shape == (s_, n_) and (out.size == 0 or int(out.max()) < 4)
+
+    for blob in (junk, bytes(good[: pos % len(good)]), bytes(good[:13]) + junk):
+        decodes_or_refuses(blob)
     good[pos % len(good)] ^= 0x41
-    try:
-        rans.decode(bytes(good), [m])
-    except CorruptChunk:
-        pass
+    decodes_or_refuses(bytes(good))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -111,9 +115,12 @@ def test_interleaved_hostile_words(pos, junk, dlen):
     w = w[: max(0, len(w) + 2 * dlen)] if dlen < 0 else w + bytes(2 * dlen)
     words = np.frombuffer(bytes(w[: len(w) // 2 * 2]), dtype=np.uint16)
     try:
-        rans.decode_interleaved(words, 40, np.zeros(20, dtype=np.int64), t)
+        out = rans.decode_interleaved(words, 40, np.zeros(20, dtype=np.int64), t)
     except CorruptChunk:
-        pass
+        return
+    assert out.shape == (40, 20) and int(out.max()) < 6  # no checksum here: a decode is one of the alphabet's blocks
+    if words.tobytes() == rans.encode_interleaved(sym, np.zeros(20, dtype=np.int64), t).tobytes():
+        assert np.array_equal(out, sym)
 
 
 @pytest.mark.parametrize("S", [1, 7, 15, 16, 17, 33, 192])
@@ -147,7 +154,7 @@ def test_interleaved_row_shift_round_trip(n, S, seed):
             rans.decode_interleaved(words, n, idx, tables, row_shift=shift + 10)
 
 
-def test_generated_lanes_module_is_current():
+def _generator():
     import importlib.util
     from pathlib import Path
 
@@ -155,4 +162,25 @@ def test_generated_lanes_module_is_current():
     spec = importlib.util.spec_from_file_location("gen_rans_lanes", root / "tools" / "gen_rans_lanes.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    assert (root / "src" / "cachegen" / "codec" / "_rans_lanes.py").read_text() == gen.source()
+    return root, gen
+
+
+def test_generated_lanes_module_is_current():
+    import subprocess
+    import sys
+
+    root, _ = _generator()
+    r = subprocess.run([sys.executable, str(root / "tools" / "gen_rans_lanes.py"), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_generator_check_mode_reports_stale_and_never_writes(tmp_path, monkeypatch):
+    _, gen = _generator()
+    target = tmp_path / "_lanes.py"
+    monkeypatch.setattr(gen, "TARGET", target)
+    target.write_text("stale")
+    assert gen.main(["--check"]) == 1
+    assert target.read_text() == "stale"
+    assert gen.main([]) == 0 and target.read_text() == gen.source()
+    mtime = target.stat().st_mtime_ns
+    assert gen.main([]) == 0 and target.stat().st_mtime_ns == mtime  # unchanged text: not rewritten

@@ -70,7 +70,7 @@ def test_pre_rope_profile_codes_rotated_keys_smaller_and_exactly_as_bounded(tmp_
 @pytest.mark.model
 def test_real_models_rope_specs_recover_pre_rope_keys(smollm2):
     """unrope(cached keys) equals the model's own keys before RoPE (k_proj output)."""
-    from cachegen.codec.model_profile import _kv_of, rope_specs
+    from cachegen.calibrate import context_kv, rope_specs
 
     m = smollm2.model
     specs = rope_specs(m)
@@ -80,7 +80,7 @@ def test_real_models_rope_specs_recover_pre_rope_keys(smollm2):
     h = attn.k_proj.register_forward_hook(lambda mod, inp, out: got.setdefault("k", out.detach()))
     ids = torch.tensor(smollm2.tokenizer("The quick brown fox jumps over the lazy dog. " * 8)["input_ids"])
     try:
-        kv = _kv_of(m, ids)
+        kv = context_kv(m, ids)
     finally:
         h.remove()
     pre = got["k"][0].view(ids.numel(), -1, 64).transpose(0, 1)
@@ -89,7 +89,7 @@ def test_real_models_rope_specs_recover_pre_rope_keys(smollm2):
 
 @pytest.mark.model
 def test_gemma3_has_two_rope_specs(gemma3):
-    from cachegen.codec.model_profile import rope_specs
+    from cachegen.calibrate import rope_specs
 
     specs = rope_specs(gemma3.model)
     kinds = {(sp.rotary_dim, float(sp.inv_freq[-1])) for sp in specs if sp is not None}

@@ -51,12 +51,12 @@ def _entropy_speed(prof, kv, level: int, threads: int) -> tuple[float, float]:
 
 def run_codec_bench(model_name: str = "smollm2-135m", context_tokens: int = 4096, json_path: str | None = None,
                     threads: int = 2, levels=(LOSSLESS, *LEVELS)) -> list[dict]:
-    from cachegen.codec.model_profile import _kv_of, load_or_calibrate
+    from cachegen.calibrate import context_kv, load_or_calibrate
     from cachegen.engine.models import load_model
 
     m = load_model(model_name)
     prof = load_or_calibrate(m)
-    kv = _kv_of(m.model, _text_ids(m.tokenizer, context_tokens))
+    kv = context_kv(m.model, _text_ids(m.tokenizer, context_tokens))
     codec = Codec(prof, threads=threads)
     rows = []
     for lv in levels:

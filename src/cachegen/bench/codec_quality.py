@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
 import torch
 
 from cachegen.bench.quality_metrics import measure_quality
+from cachegen.calibrate import context_kv, load_or_calibrate
 from cachegen.codec import LEVELS, Codec
 from cachegen.kv import KVCache
-from cachegen.codec.model_profile import _kv_of, load_or_calibrate
+
+log = logging.getLogger(__name__)
 
 EVAL_TEXTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
 
@@ -47,7 +50,7 @@ def run_rate_quality(model_name: str = "smollm2-135m", context: int = 2048, cont
     rows = []
     for path in texts:
         ids = _eval_ids(m.tokenizer, path, context + cont)
-        kv = _kv_of(m.model, ids[:context])
+        kv = context_kv(m.model, ids[:context])
         for lv in levels:
             nbytes = 0
 
@@ -106,7 +109,7 @@ def main(argv=None) -> None:
         loaded = load_model(a.model)
         t = time.perf_counter()
         profile = load_or_calibrate(loaded, refresh=True)
-        print(f"calibrated profile {profile.id} in {time.perf_counter() - t:.1f} s")
+        log.info("calibrated profile %s in %.1f s", profile.id, time.perf_counter() - t)
     rows = run_rate_quality(a.model, a.context, a.cont, levels=[int(x) for x in a.levels.split(",")], texts=texts,
                             profile=profile, loaded=loaded)
     lic = [Path(t).name for t in texts if not t.startswith("pydoc")]

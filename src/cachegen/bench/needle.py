@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from cachegen import corpus
-from cachegen.bench.baselines import CHUNK_TOKENS, KVCodec, label
+from cachegen.bench.baselines import CHUNK_TOKENS, Variant
 from cachegen.engine.hf_cache import layer_kinds
 from cachegen.engine.prefill import eos_token_ids, prefill
 from cachegen.errors import ConfigError
@@ -86,7 +86,7 @@ def batched_greedy(model, kvs: Sequence[KVCache], tail: Sequence[int], max_new_t
 
 def run_needle(
     lm,
-    codecs: Sequence[KVCodec],
+    codecs: Sequence[Variant],
     cases: int = 50,
     context_tokens: int = 1024,
     include_recompute: bool = True,
@@ -102,7 +102,7 @@ def run_needle(
         raise ConfigError("nothing to evaluate")
     model, tok = lm.model, lm.tokenizer
     eos = eos_token_ids(model, tok)
-    keys = (["recompute"] if include_recompute else []) + [label(c) for c in codecs]
+    keys = (["recompute"] if include_recompute else []) + [c.label for c in codecs]
     correct = {k: 0 for k in keys}
     nbytes = {k: 0 for k in keys}
     nvalues = 0
@@ -114,9 +114,9 @@ def run_needle(
 
         caches = [kv] if include_recompute else []
         for c in codecs:
-            blobs = [c.encode(ch) for ch in kv.chunks(chunk_tokens)]
-            nbytes[label(c)] += sum(len(b) for b in blobs)
-            caches.append(KVCache.concat([c.decode(b) for b in blobs]))
+            blobs = [c.codec.encode(ch, c.level) for ch in kv.chunks(chunk_tokens)]
+            nbytes[c.label] += sum(len(b) for b in blobs)
+            caches.append(KVCache.concat([c.codec.decode(b) for b in blobs]))
         for key, out in zip(keys, batched_greedy(model, caches, case.question_ids, max_new_tokens, eos)):
             text = tok.decode(out, skip_special_tokens=True)
             answers[key].append(text)
@@ -124,13 +124,13 @@ def run_needle(
         if log:
             log(f"case {i + 1}/{cases}: " + " ".join(f"{k}={correct[k]}" for k in keys))
     rows = []
-    byname = {label(c): c for c in codecs}
+    byname = {c.label: c for c in codecs}
     for k in keys:
         lo, hi = wilson(correct[k], cases)
         c = byname.get(k)
         rows.append({
             "codec": c.name if c else "recompute",
-            "level": c.level if c else None,
+            "level": c.row_level if c else None,
             "cases": cases,
             "correct": correct[k],
             "accuracy": correct[k] / cases,

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from cachegen import corpus
-from cachegen.bench.baselines import CHUNK_TOKENS, KVCodec, label
+from cachegen.bench.baselines import CHUNK_TOKENS, Variant
 from cachegen.engine.prefill import continue_from, prefill
 from cachegen.errors import ConfigError
 from cachegen.kv import KVCache
@@ -80,17 +80,17 @@ def compare(ref: Reference, logits: torch.Tensor) -> dict:
     return {"kl": kl, "top1_agreement": top1, "ppl_delta_pct": ppl_delta}
 
 
-def measure(model, ref: Reference, codec: KVCodec, chunk_tokens: int = CHUNK_TOKENS) -> dict:
+def measure(model, ref: Reference, codec: Variant, chunk_tokens: int = CHUNK_TOKENS) -> dict:
     """One result row for ``codec`` (encode in chunks, decode, continue, compare)."""
     t0 = time.perf_counter()
-    blobs = [codec.encode(c) for c in ref.kv.chunks(chunk_tokens)]
+    blobs = [codec.codec.encode(c, codec.level) for c in ref.kv.chunks(chunk_tokens)]
     t1 = time.perf_counter()
-    back = KVCache.concat([codec.decode(b) for b in blobs])
+    back = KVCache.concat([codec.codec.decode(b) for b in blobs])
     t2 = time.perf_counter()
     size = sum(len(b) for b in blobs)
     row = {
         "codec": codec.name,
-        "level": codec.level,
+        "level": codec.row_level,
         "bits_per_value": 8.0 * size / ref.kv.num_values,
         "size_bytes": size,
     }
@@ -101,7 +101,7 @@ def measure(model, ref: Reference, codec: KVCodec, chunk_tokens: int = CHUNK_TOK
 
 def run_quality(
     lm,
-    codecs: Sequence[KVCodec],
+    codecs: Sequence[Variant],
     text: str = "pydoc-eval",
     context_tokens: int = 2048,
     continuation_tokens: int = 256,
@@ -118,7 +118,7 @@ def run_quality(
         rows.append(measure(lm.model, ref, c, chunk_tokens))
         if log:
             r = rows[-1]
-            log(f"{label(c):22s} {r['bits_per_value']:6.2f} bits/value  KL {r['kl']:.2e}")
+            log(f"{c.label:22s} {r['bits_per_value']:6.2f} bits/value  KL {r['kl']:.2e}")
     return {
         "kind": "quality",
         "model": lm.name,

@@ -3,7 +3,7 @@
 Public API::
 
     from cachegen.codec import Codec, calibrate, LOSSLESS, LEVELS
-    prof = calibrate(samples, model_fingerprint)     # once per model (or load_or_calibrate(model))
+    prof = calibrate(samples, model_fingerprint)     # once per model (from a live model: cachegen.calibrate)
     codec = Codec(prof)
     data = codec.encode(kv_chunk, level=3)           # 1 = near-lossless ... 7 = most aggressive
     kv2 = codec.decode(data)
@@ -11,14 +11,17 @@ Public API::
 
 ``Codec(None)`` writes chunks that carry their own tables (no profile needed
 to decode). Level 0 (:data:`LOSSLESS`) is bit-exact for fp16/bf16/fp32.
-See ``docs/codec.md``.
+Every codec of the project implements :class:`ChunkCodec`. Fitting a
+profile to a live model (KV samples, Fisher sensitivities) is the layer
+above, :mod:`cachegen.calibrate`. See ``docs/codec.md``.
 """
 
 from cachegen.codec import rans
 from cachegen.codec.codec import LOSSLESS, Codec
 from cachegen.codec.container import FORMAT_VERSION, ChunkHeader, LayerShape
+from cachegen.codec.fit import calibrate
+from cachegen.codec.profile import KL_TARGETS, LEVELS, Profile
 from cachegen.codec.protocol import ChunkCodec
-from cachegen.codec.profile import KL_TARGETS, LEVELS, Profile, calibrate
 
 __all__ = [
     "FORMAT_VERSION",
@@ -32,16 +35,4 @@ __all__ = [
     "LayerShape",
     "calibrate",
     "rans",
-    "calibrate_for_model",
-    "load_or_calibrate",
-    "profile_path",
 ]
-
-
-def __getattr__(name: str):
-    # model-facing helpers import torch-model code lazily
-    if name in ("calibrate_for_model", "load_or_calibrate", "profile_path"):
-        from cachegen.codec import model_profile
-
-        return getattr(model_profile, name)
-    raise AttributeError(name)

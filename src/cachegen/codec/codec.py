@@ -29,7 +29,8 @@ from cachegen.codec.container import (
     parse_header,
     section_bytes,
 )
-from cachegen.codec.profile import PRECISION, TABLE_PAD, Profile, calibrate
+from cachegen.codec.fit import calibrate
+from cachegen.codec.profile import LEVELS, PRECISION, TABLE_PAD, Profile
 from cachegen.codec.transform import forward_section, inverse_section
 from cachegen.errors import CodecError, ConfigError, CorruptChunk, ProfileMismatch
 from cachegen.kv import KVCache, KVLayer
@@ -52,17 +53,6 @@ def _from_bytes(b: np.ndarray | memoryview, shape: tuple[int, ...], dtype: torch
     if arr.size == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(arr).view(iv).view(dtype).reshape(shape)
-
-
-def _min_bits(tables: rans.Tables) -> float:
-    pmax = tables.freq.max(axis=1) / float(1 << tables.precision)
-    return float(-np.log2(pmax.max()))
-
-
-def _check_budget(n: int, streams: int, nwords: int, tables: rans.Tables, what: str) -> None:
-    """Refuse to allocate more symbols than the payload could possibly code."""
-    if n * streams * _min_bits(tables) > 16 * nwords + 64 * streams + 64:
-        raise CorruptChunk(f"{what}: symbol count inconsistent with payload size")
 
 
 class Codec:
@@ -196,8 +186,6 @@ class Codec:
 
 
 def quant_levels() -> tuple[int, ...]:
-    from cachegen.codec.profile import LEVELS
-
     return LEVELS
 
 
@@ -292,7 +280,7 @@ def _decode_lossless(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int)
         nw = r.u32()
         lengths = np.frombuffer(r.take(4 * c), dtype="<u4").astype(np.int64)
         words = np.frombuffer(r.take(2 * nw), dtype="<u2").astype(np.uint16)
-        _check_budget(t, c, nw, tables, f"section {i}")
+        rans.check_budget(t, c, nw, tables, f"section {i}")
         raw[:, :, b] = rans.decode_columns(words, lengths, t, np.zeros(c, dtype=np.int64), tables)
     if r.p != len(mv):
         raise CorruptChunk(f"section {i}: trailing bytes")
@@ -324,7 +312,7 @@ def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, pr
         if 2 * nu > len(mv) - r.p:
             raise CorruptChunk(f"section {i}: multiplier stream longer than the section")
         uw = np.frombuffer(r.take(2 * nu), dtype="<u2")
-        _check_budget(t, 1, uw.size, u_tables, f"section {i} multipliers")
+        rans.check_budget(t, 1, uw.size, u_tables, f"section {i} multipliers")
         u = rans.decode_interleaved(uw, t, np.zeros(1, dtype=np.int64), u_tables)[:, 0].astype(np.int64) + importance.U_MIN
         if u.max() > importance.U_MAX:
             raise CorruptChunk(f"section {i}: multiplier out of range")
@@ -332,7 +320,7 @@ def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, pr
     if len(wb) % 2:
         raise CorruptChunk(f"section {i}: odd word payload")
     words = np.frombuffer(wb, dtype="<u2")
-    _check_budget(t, c, words.size, tables, f"section {i}")
+    rans.check_budget(t, c, words.size, tables, f"section {i}")
     sym = rans.decode_interleaved(words, t, cls + TABLE_PAD, tables, row_shift=-u)
     y = np.empty((t, c), dtype=np.float32)
     used = quant.dequantize(sym, lp.steps[i], importance.row_scale(u), esc, n_esc, y)

@@ -21,6 +21,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cachegen.errors import CorruptChunk, FormatVersionError
@@ -182,14 +183,17 @@ def section_bytes(data: bytes | memoryview, h: ChunkHeader, i: int) -> memoryvie
 
 
 class Reader:
-    """Bounds-checked little-endian reads from a section."""
+    """Bounds-checked little-endian reads from a buffer (a chunk's section, a baseline's chunk).
+
+    Every read checks the bytes are there first, so a hostile length gives
+    CorruptChunk, never an out-of-bounds read or an allocation."""
 
     def __init__(self, mv: memoryview, what: str):
         self.mv, self.p, self.what = mv, 0, what
 
     def take(self, n: int) -> memoryview:
         if n < 0 or self.p + n > len(self.mv):
-            raise CorruptChunk(f"{self.what}: truncated")
+            raise CorruptChunk(f"{self.what}: truncated (need {n} bytes at offset {self.p}, have {len(self.mv) - self.p})")
         b = self.mv[self.p : self.p + n]
         self.p += n
         return b
@@ -197,5 +201,20 @@ class Reader:
     def u32(self) -> int:
         return struct.unpack("<I", self.take(4))[0]
 
+    def unpack(self, fmt: str) -> tuple:
+        """``struct.unpack`` of little-endian ``fmt``."""
+        fmt = "<" + fmt
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))
+
+    def array(self, dtype, count: int) -> np.ndarray:
+        """``count`` items of ``dtype`` (a read-only view of the buffer)."""
+        dt = np.dtype(dtype)
+        return np.frombuffer(self.take(dt.itemsize * count), dtype=dt, count=count)
+
     def rest(self) -> memoryview:
         return self.take(len(self.mv) - self.p)
+
+    def done(self) -> None:
+        """CorruptChunk unless every byte was read."""
+        if self.p != len(self.mv):
+            raise CorruptChunk(f"{self.what}: {len(self.mv) - self.p} trailing bytes")

@@ -11,10 +11,10 @@ that symbol a nonzero frequency; anything else is ``ESCAPE``.
 
 from __future__ import annotations
 
-from cachegen.codec import _numba_env  # noqa: F401
-
 import numpy as np
 from numba import njit
+
+from cachegen.codec import _numba_env  # noqa: F401
 
 ALPHABET = 256
 CENTER = 127

@@ -18,14 +18,14 @@ here loses compression, never correctness. Convention: Hugging Face's
 
 from __future__ import annotations
 
-from cachegen.codec import _numba_env  # noqa: F401  (sets NUMBA_CACHE_DIR before numba loads)
-
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 import torch
 from numba import njit
+
+from cachegen.codec import _numba_env  # noqa: F401  (sets NUMBA_CACHE_DIR before numba loads)
 
 
 @dataclass(frozen=True, eq=False)

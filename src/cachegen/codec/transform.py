@@ -13,26 +13,26 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cachegen.codec.profile_types import SectionLike
+from cachegen.codec.profile import SectionParams
 from cachegen.codec.rope import rope, unrope
 
 
-def forward_section(sp: SectionLike, x: torch.Tensor, start: int = 0) -> np.ndarray:
+def forward_section(sp: SectionParams, x: torch.Tensor, start: int = 0) -> np.ndarray:
     """x (H, T, D) at positions ``start..`` -> y (T, H*D) float32, ``y = (unrope(x) - mean) @ basis`` per head."""
     h, t, d = x.shape
-    x = unrope(x, getattr(sp, "rope", None), start)
+    x = unrope(x, sp.rope, start)
     xc = x - torch.from_numpy(sp.mean).view(h, 1, d)
     if sp.basis is not None:
         xc = torch.bmm(xc, torch.from_numpy(sp.basis))  # per head (T, D) @ (D, D): bmm beats einsum here
     return np.ascontiguousarray(xc.permute(1, 0, 2).reshape(t, h * d).numpy())
 
 
-def inverse_section(sp: SectionLike, y: np.ndarray, heads: int, dim: int, dtype: torch.dtype,
+def inverse_section(sp: SectionParams, y: np.ndarray, heads: int, dim: int, dtype: torch.dtype,
                     start: int = 0) -> torch.Tensor:
     """y (T, H*D) -> x (H, T, D) in ``dtype`` (``x = rope(y @ inv + mean)``, ``inv = basis.T`` unless given)."""
     t = y.shape[0]
     yt = torch.from_numpy(y).view(t, heads, dim).transpose(0, 1)  # (H, T, D) view
-    inv = getattr(sp, "inv", None)
+    inv = sp.inv
     if inv is not None:
         x = torch.bmm(yt, torch.from_numpy(inv))
     elif sp.basis is not None:
@@ -40,7 +40,7 @@ def inverse_section(sp: SectionLike, y: np.ndarray, heads: int, dim: int, dtype:
     else:
         x = yt.contiguous()
     x.add_(torch.from_numpy(sp.mean).view(heads, 1, dim))
-    spec = getattr(sp, "rope", None)
+    spec = sp.rope
     if spec is not None:
         x = rope(x, spec, start)
     return x.to(dtype).contiguous()

@@ -76,8 +76,10 @@ class Engine:
         CPU, and the KV size serving engines keep); profiles are always
         calibrated in fp32 so they do not depend on it.
         """
+        from cachegen.calibrate import load_or_calibrate  # FIXME(layers): engine ranks below calibrate; pass the profile in
+
         lm = load_model(model, progress=progress)
-        profile = codec_mod.load_or_calibrate(lm)
+        profile = load_or_calibrate(lm)
         if dtype != torch.float32:
             lm.model.to(dtype)
         codec = codec_mod.Codec(profile, lm.fingerprint)

@@ -21,12 +21,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cachegen.engine.hf_cache import from_transformers, recording_cache, to_transformers
 from cachegen.codec.rope import RopeSpec, unrope_grad
+from cachegen.engine.hf_cache import from_transformers, recording_cache, to_transformers
 from cachegen.kv import KVCache, KVLayer
 
 
-def _context_kv(model, context_ids: torch.Tensor) -> KVCache:
+def context_kv(model, context_ids: torch.Tensor) -> KVCache:
+    """The KV cache of a transformers causal LM after a prefill of 1-D ``context_ids`` (no gradients)."""
     with torch.no_grad():
         c = recording_cache(model.config)
         out = model(input_ids=context_ids[None], cache=c, use_cache=True)
@@ -54,7 +55,7 @@ def fisher_matrices(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], n
     acc: list[np.ndarray] | None = None
     g = torch.Generator().manual_seed(seed)
     for context_ids, cont_ids in pairs:
-        kv = _context_kv(model, context_ids)
+        kv = context_kv(model, context_ids)
         if acc is None:
             acc = [np.zeros((t.shape[0], t.shape[2], t.shape[2])) for l in kv.layers for t in (l.k, l.v)]
         for _ in range(samples):
@@ -77,9 +78,9 @@ def fisher_sensitivity(model, context_ids: torch.Tensor, cont_ids: torch.Tensor,
     """Return (sensitivity per section ``2*layer + kv``, the context KV). ids are 1-D token tensors.
 
     Per section: a float (the mean per-channel Fisher, summed over context tokens), or with
-    ``per_component`` the (heads, D, D) Fisher matrices that :func:`cachegen.codec.calibrate` accepts too."""
+    ``per_component`` the (heads, D, D) Fisher matrices that :func:`cachegen.codec.fit.calibrate` accepts too."""
     mats = fisher_matrices(model, [(context_ids, cont_ids)], n_sink, samples, seed)
-    kv = _context_kv(model, context_ids)
+    kv = context_kv(model, context_ids)
     if per_component:
         return mats, kv
     return [float(np.mean(np.diagonal(m, axis1=1, axis2=2))) for m in mats], kv
@@ -94,7 +95,7 @@ def token_sensitivity(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     g = torch.Generator().manual_seed(seed)
     out = []
     for context_ids, cont_ids in pairs:
-        kv = _context_kv(model, context_ids)
+        kv = context_kv(model, context_ids)
         acc = None
         for _ in range(samples):
             leaves = _sampled_grads(model, kv, cont_ids, g)

@@ -1,0 +1,175 @@
+"""The baselines' common chunk format: a tiny binary header, then raw numpy buffers (nothing pickled).
+
+``b"CGBL" | u8 version | u8 name_len | name | u8 level (255: none) | u32 start | u16 layers |``
+per layer ``u8 kind | u32 window | u16 heads | u32 tokens | u16 k_dim | u16 v_dim``. Reads go
+through :class:`cachegen.codec.container.Reader` (the one bounds-checked reader).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cachegen.codec.container import Reader
+from cachegen.errors import ConfigError, CorruptChunk
+from cachegen.kv import KVCache, KVLayer, LayerKind
+
+MAGIC = b"CGBL"
+FORMAT_VERSION = 1
+CHUNK_TOKENS = 256
+
+_KINDS = {LayerKind.FULL: 0, LayerKind.SLIDING: 1}
+_KINDS_INV = {v: k for k, v in _KINDS.items()}
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def pack(self, fmt: str, *vals) -> None:
+        self.parts.append(struct.pack("<" + fmt, *vals))
+
+    def raw(self, b: bytes) -> None:
+        self.parts.append(b)
+
+    def array(self, a: np.ndarray) -> None:
+        self.parts.append(np.ascontiguousarray(a).tobytes())
+
+    def blob(self, b: bytes) -> None:
+        self.pack("I", len(b))
+        self.parts.append(b)
+
+    def getvalue(self) -> bytes:
+        return b"".join(self.parts)
+
+@dataclass(frozen=True)
+class _LayerShape:
+    kind: LayerKind
+    window: int | None
+    heads: int
+    tokens: int
+    dk: int
+    dv: int
+
+
+def _write_header(w: _Writer, name: str, level: int | None, kv: KVCache) -> list[_LayerShape]:
+    nb = name.encode()
+    w.raw(MAGIC)
+    w.pack("BB", FORMAT_VERSION, len(nb))
+    w.raw(nb)
+    w.pack("BIH", 255 if level is None else level, kv.start, kv.num_layers)
+    shapes = []
+    for l in kv.layers:
+        h, t, dk = l.k.shape
+        dv = l.v.shape[2]
+        w.pack("BIHIHH", _KINDS[l.kind], l.window or 0, h, t, dk, dv)
+        shapes.append(_LayerShape(l.kind, l.window, h, t, dk, dv))
+    return shapes
+
+
+def _read_header(r: Reader, name: str) -> tuple[int | None, int, list[_LayerShape]]:
+    if bytes(r.take(4)) != MAGIC:
+        raise CorruptChunk("bad magic")
+    version, n = r.unpack("BB")
+    if version != FORMAT_VERSION:
+        raise CorruptChunk(f"format version {version}, expected {FORMAT_VERSION}")
+    got = bytes(r.take(n)).decode(errors="replace")
+    if got != name:
+        raise CorruptChunk(f"these bytes were written by codec {got!r}, not {name!r}")
+    level, start, nl = r.unpack("BIH")
+    shapes = []
+    for _ in range(nl):
+        kind, window, h, t, dk, dv = r.unpack("BIHIHH")
+        if kind not in _KINDS_INV:
+            raise CorruptChunk(f"unknown layer kind {kind}")
+        shapes.append(_LayerShape(_KINDS_INV[kind], window or None, h, t, dk, dv))
+    if not shapes:
+        raise CorruptChunk("no layers")
+    return (None if level == 255 else level), start, shapes
+
+
+def _check_level(codec, level: int) -> None:
+    if level not in codec.levels:
+        raise ConfigError(f"{codec.name} has no level {level} (levels: {codec.levels})")
+
+
+def header_size(name: str, num_layers: int) -> int:
+    """Bytes of the common header (for size-accounting tests)."""
+    return 4 + 2 + len(name.encode()) + struct.calcsize("<BIH") + num_layers * struct.calcsize("<BIHIHH")
+
+
+def _np32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).cpu().numpy()
+
+
+def _build(shapes: list[_LayerShape], start: int, ks: list[np.ndarray], vs: list[np.ndarray]) -> KVCache:
+    layers = [
+        KVLayer(torch.from_numpy(np.ascontiguousarray(k, dtype=np.float32)),
+                torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)), s.kind, s.window)
+        for s, k, v in zip(shapes, ks, vs)
+    ]
+    return KVCache(layers, start=start)
+
+
+def pack_bits(q: np.ndarray, bits: int) -> bytes:
+    """Pack unsigned integers < 2**bits (bits in 1, 2, 4, 8) little-end first into bytes."""
+    if bits not in (1, 2, 4, 8):
+        raise ConfigError(f"cannot pack {bits}-bit values")
+    q = np.ascontiguousarray(q, dtype=np.uint8).reshape(-1)
+    if bits == 8:
+        return q.tobytes()
+    per = 8 // bits
+    pad = (-q.size) % per
+    if pad:
+        q = np.concatenate([q, np.zeros(pad, np.uint8)])
+    q = q.reshape(-1, per)
+    out = np.zeros(q.shape[0], np.uint8)
+    for i in range(per):
+        out |= (q[:, i] << (i * bits)).astype(np.uint8)
+    return out.tobytes()
+
+
+def unpack_bits(b: bytes | memoryview, bits: int, count: int) -> np.ndarray:
+    raw = np.frombuffer(b, dtype=np.uint8)
+    if bits == 8:
+        if raw.size != count:
+            raise CorruptChunk("packed size mismatch")
+        return raw
+    per = 8 // bits
+    if raw.size != -(-count // per):
+        raise CorruptChunk("packed size mismatch")
+    mask = (1 << bits) - 1
+    out = np.empty((raw.size, per), np.uint8)
+    for i in range(per):
+        out[:, i] = (raw >> (i * bits)) & mask
+    return out.reshape(-1)[:count]
+
+
+def packed_len(count: int, bits: int) -> int:
+    return -(-count * bits // 8)
+
+# asymmetric min/max quantization (shared by uniform and KIVI)
+
+def _quant_minmax(x: np.ndarray, axis: int, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize along ``axis`` groups: returns (q uint8, min fp16, step fp16).
+
+    The fp16-rounded min and step are the ones used to quantize, so the decoder
+    reproduces exactly what the encoder assumed.
+    """
+    levels = (1 << bits) - 1
+    lo = x.min(axis=axis, keepdims=True)
+    hi = x.max(axis=axis, keepdims=True)
+    lo16 = lo.astype(np.float16)
+    step16 = ((hi - lo16.astype(np.float32)) / levels).astype(np.float16)
+    step = step16.astype(np.float32)
+    step16 = np.where(step > 0, step16, np.float16(1.0)).astype(np.float16)
+    step = step16.astype(np.float32)
+    q = np.clip(np.rint((x - lo16.astype(np.float32)) / step), 0, levels).astype(np.uint8)
+    return q, lo16, step16
+
+
+def _dequant_minmax(q: np.ndarray, lo16: np.ndarray, step16: np.ndarray) -> np.ndarray:
+    return q.astype(np.float32) * step16.astype(np.float32) + lo16.astype(np.float32)

@@ -1,0 +1,60 @@
+"""uniform8 / uniform4: asymmetric min/max per (layer, K/V, head, channel) over the chunk's tokens, fp16 min and step."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cachegen.bench.baselines._format import (
+    _build,
+    _check_level,
+    _dequant_minmax,
+    _np32,
+    _quant_minmax,
+    _read_header,
+    _write_header,
+    _Writer,
+    pack_bits,
+    packed_len,
+    unpack_bits,
+)
+from cachegen.codec.container import Reader
+from cachegen.errors import ConfigError
+from cachegen.kv import KVCache
+
+
+class UniformCodec:
+    """``bits``-bit asymmetric quantization with one min/step per (layer, K/V, head, channel)."""
+
+    levels = (0,)  # one setting: the chunk header records no level
+
+    def __init__(self, bits: int) -> None:
+        if bits not in (2, 4, 8):
+            raise ConfigError("uniform bits must be 2, 4 or 8")
+        self.bits = bits
+        self.name = f"uniform{bits}"
+
+    def encode(self, kv: KVCache, level: int = 0, *, key: str | None = None) -> bytes:
+        _check_level(self, level)
+        w = _Writer()
+        _write_header(w, self.name, None, kv)
+        for l in kv.layers:
+            for t in (l.k, l.v):
+                q, lo, step = _quant_minmax(_np32(t), axis=1, bits=self.bits)  # over tokens
+                w.array(lo)
+                w.array(step)
+                w.raw(pack_bits(q, self.bits))
+        return w.getvalue()
+
+    def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
+        r = Reader(memoryview(data), f"{self.name} chunk")
+        _, start, shapes = _read_header(r, self.name)
+        ks, vs = [], []
+        for s in shapes:
+            for d, out in ((s.dk, ks), (s.dv, vs)):
+                lo = r.array(np.float16, s.heads * d).reshape(s.heads, 1, d)
+                step = r.array(np.float16, s.heads * d).reshape(s.heads, 1, d)
+                n = s.heads * s.tokens * d
+                q = unpack_bits(r.take(packed_len(n, self.bits)), self.bits, n).reshape(s.heads, s.tokens, d)
+                out.append(_dequant_minmax(q, lo, step))
+        r.done()
+        return _build(shapes, start, ks, vs)

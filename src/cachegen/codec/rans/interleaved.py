@@ -1,0 +1,179 @@
+"""Interleaved streams: a whole token-major block as ONE word stream with :data:`LANES` shared states.
+
+The lossy codec's format: 64 bytes of state per section instead of 8 bytes per
+column. The fast decoder for 12-bit tables is generated (:mod:`._lanes`,
+``tools/gen_rans_lanes.py``); :func:`_decode_il_kernel_generic` serves any other precision.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from cachegen.codec import _numba_env  # noqa: F401  (sets NUMBA_CACHE_DIR before numba loads)
+from cachegen.codec.rans._lanes import decode_lanes
+from cachegen.codec.rans.model import Tables
+from cachegen.errors import CodecError, CorruptChunk
+
+# -- interleaved kernels: one word stream per section, LANES states shared by all columns ----------------
+#
+# Column ``c`` of a token-major block ``(n, S)`` is coded by lane ``c % LANES``;
+# symbols are visited token by token, column by column (decode order), and
+# every lane renormalises into the same word stream. Per section the only
+# overhead is LANES 32-bit final states (vs one state and one length per
+# column), and the decoder writes its output rows contiguously.
+
+LANES = 16
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def _encode_il_kernel(sym, tab_idx, row_idx, fc, inv, prec, out):
+    """Encode ``sym`` (n, S) backwards into the end of ``out``; returns (first word index, bad symbol count).
+
+    ``fc[k, y] = freq | cum << 16`` (one load per symbol for both), ``inv[k, y] = 1/freq``; the
+    model of ``(t, c)`` is ``tab_idx[c] + row_idx[t]``."""
+    n = sym.shape[0]
+    S = sym.shape[1]
+    nl = min(16, S)
+    shift_max = 32 - prec
+    A = fc.shape[1]
+    fcf = fc.ravel()
+    invf = inv.ravel()
+    tb = tab_idx * A
+    states = np.empty(16, dtype=np.int64)
+    for j in range(16):
+        states[j] = 65536
+    p = out.shape[0]
+    bad = 0
+    for t in range(n - 1, -1, -1):
+        row = sym[t]
+        ro = row_idx[t] * A
+        for c in range(S - 1, -1, -1):
+            j = c & 15
+            ix = tb[c] + ro + np.int64(row[c])
+            e = fcf[ix]
+            f = e & 0xFFFF
+            bad += f == 0
+            x = states[j]
+            flag = np.int64(x >= (f << shift_max))
+            out[p - 1] = np.uint16(x & 0xFFFF)
+            p -= flag
+            x = x >> (flag << 4)
+            q = np.int64(x * invf[ix] + 6.103515625e-05)
+            states[j] = (q << prec) + (x - q * f) + (e >> 16)
+    for j in range(nl - 1, -1, -1):
+        x = states[j]
+        out[p - 1] = np.uint16(x & 0xFFFF)
+        out[p - 2] = np.uint16(x >> 16)
+        p -= 2
+    return p, bad
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def _decode_il_kernel_generic(words, tab_idx, row_idx, freq, cum, lut, prec, out):
+    """:func:`~cachegen.codec.rans._lanes.decode_lanes` for any precision / alphabet (separate freq, cum and slot tables)."""
+    n = out.shape[0]
+    S = out.shape[1]
+    nl = min(16, S)
+    mask = (np.int64(1) << prec) - 1
+    last = words.shape[0] - 1
+    states = np.empty(16, dtype=np.int64)
+    for j in range(nl):
+        states[j] = (np.int64(words[min(2 * j, last)]) << 16) | np.int64(words[min(2 * j + 1, last)])
+    p = 2 * nl
+    for t in range(n):
+        row = out[t]
+        ro = row_idx[t]
+        for c in range(S):
+            j = c & 15
+            x = states[j]
+            k = tab_idx[c] + ro
+            slot = x & mask
+            y = lut[k, slot]
+            yi = np.int64(y)
+            x = freq[k, yi] * (x >> prec) + slot - cum[k, yi]
+            flag = np.int64(x < 65536)
+            w = np.int64(words[min(p, last)])
+            states[j] = (x << (flag << 4)) | (w & (-flag))
+            p += flag
+            row[c] = y
+    bad = np.int64(p != words.shape[0])
+    for j in range(nl):
+        bad += states[j] != 65536
+    return bad
+
+
+def _table_indexes(n: int, S: int, table_index: np.ndarray, row_shift: np.ndarray | None, n_tables: int,
+                   err: type) -> tuple[np.ndarray, np.ndarray]:
+    """Split the models ``table_index[c] + row_shift[t]`` into non-negative column and row parts (checked)."""
+    table_index = np.ascontiguousarray(table_index, dtype=np.int64)
+    if table_index.shape != (S,):
+        raise err("need one table index per column")
+    if row_shift is None:
+        rows = np.zeros(n, dtype=np.int64)
+    else:
+        rows = np.ascontiguousarray(row_shift, dtype=np.int64)
+        if rows.shape != (n,):
+            raise err("need one row shift per row")
+    if n * S == 0:
+        return table_index, rows
+    lo = int(rows.min())
+    if int(table_index.min()) + lo < 0 or int(table_index.max()) + int(rows.max()) >= n_tables:
+        raise err("table index out of range")
+    return table_index + lo, rows - lo
+
+
+def encode_interleaved(sym: np.ndarray, table_index: np.ndarray, tables: Tables,
+                       row_shift: np.ndarray | None = None) -> np.ndarray:
+    """Encode token-major ``sym`` (n, S) into one word stream (uint16): ``min(S, LANES)`` states, then words.
+
+    Symbol ``(t, c)`` uses model ``table_index[c] + row_shift[t]`` (``row_shift`` default 0: a
+    row-dependent shift lets a row quantized with a coarser step use the tables of a smaller
+    spread). Empty input gives an empty stream."""
+    sym = np.ascontiguousarray(sym)
+    if sym.ndim != 2:
+        raise CodecError("symbols must be 2-D")
+    n, S = sym.shape
+    cols, rows = _table_indexes(n, S, table_index, row_shift, tables.n_tables, CodecError)
+    if n * S == 0:
+        return np.empty(0, dtype=np.uint16)
+    if int(sym.max()) >= tables.alphabet_size:
+        raise CodecError("symbol outside the alphabet")
+    out = np.empty(n * S + 2 * LANES + 1, dtype=np.uint16)
+    fc = tables.fc if tables.fc is not None else np.ascontiguousarray(tables.freq | (tables.cum << 16))
+    p, bad = _encode_il_kernel(sym, cols, rows, fc, tables.inv, tables.precision, out)
+    if bad:
+        raise CodecError("a symbol has probability 0 in its model")
+    return out[p:]
+
+
+def decode_interleaved(words: np.ndarray, n: int, table_index: np.ndarray, tables: Tables, out: np.ndarray | None = None,
+                       row_shift: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of :func:`encode_interleaved` into token-major (n, S); CorruptChunk if the stream is inconsistent.
+
+    Never reads outside ``words``; the caller bounds ``n`` against the payload size before allocating."""
+    S = np.asarray(table_index).shape[0]
+    cols, rows = _table_indexes(n, S, table_index, row_shift, tables.n_tables, CorruptChunk)
+    if out is None:
+        out = np.empty((n, S), dtype=tables.symbol_dtype)
+    elif out.shape != (n, S) or out.dtype != tables.symbol_dtype:
+        raise CodecError("bad output buffer")
+    words = np.asarray(words)
+    if n * S == 0:
+        if words.size:
+            raise CorruptChunk("empty block with a non-empty rANS stream")
+        return out
+    if words.size < 2 * min(LANES, S):
+        raise CorruptChunk("rANS stream shorter than its states")
+    if tables.packed is not None:
+        padded = np.zeros(words.size + S + 1, dtype=np.uint16)
+        padded[: words.size] = words
+        if not out.flags.c_contiguous:
+            raise CodecError("output buffer must be C-contiguous")
+        bad = decode_lanes(padded, words.size, cols, rows, tables.packed, tables.precision, out)
+    else:
+        words = np.ascontiguousarray(words, dtype=np.uint16)
+        bad = _decode_il_kernel_generic(words, cols, rows, tables.freq, tables.cum, tables.lut, tables.precision, out)
+    if bad:
+        raise CorruptChunk("rANS stream did not end in the initial state")
+    return out
