@@ -88,6 +88,16 @@ def test_refuses_the_root_and_directories_it_did_not_create(tmp_path):
         LocalBackend(empty)
 
 
+def test_a_store_another_process_is_creating_is_not_foreign(tmp_path):
+    """Two processes opening one new store at once: the second may see the first's files before its marker."""
+    root = tmp_path / "new"
+    (root / "tmp").mkdir(parents=True)
+    (root / f".{MARKER}.123.0a1b2c3d").write_text("{}")
+    (root / INDEX).touch()
+    LocalBackend(root).put_chunk(key(1), b"", {0: b"x"})
+    assert (root / MARKER).is_file() and LocalBackend(root).get(key(1), 0) == b"x"
+
+
 def test_a_store_from_before_the_marker_is_adopted(tmp_path):
     root = tmp_path / "old"
     LocalBackend(root).put_chunk(key(1), b"", {0: b"payload"})
@@ -282,3 +292,21 @@ def test_lookups_miss_while_the_index_is_rebuilt(tmp_path):
     got = [i.sizes for i in cs2.plan(toks)]
     assert all(g in ({}, w) for g, w in zip(got, want))
     assert flag and b.wait_rebuilt(timeout=60) and [i.sizes for i in cs2.plan(toks)] == want
+
+
+def test_an_index_from_before_store_ls_is_migrated(tmp_path):
+    """An index without the ``prev`` column (written before ``store ls``) opens and gains it."""
+    root = tmp_path / "old"
+    cs, toks = filled(root)
+    want = [i.sizes for i in cs.plan(toks)]
+    with cs.backend._write() as db:
+        db.execute("ALTER TABLE chunks DROP COLUMN prev")
+    cs.backend.close()
+    (root / MARKER).unlink()
+    b = LocalBackend(root)
+    assert [i.sizes for i in ContextStore(b, NS, RawEncoder(), chunk_tokens=16).plan(toks)] == want
+    assert "prev" in {r[1] for r in b._query("PRAGMA table_info(chunks)")}
+    from cachegen.store import list_contexts
+
+    (ctx,) = list_contexts(b)  # its chunks name no previous chunk: only the last one is listed
+    assert (ctx.chunks, ctx.complete) == (1, False)

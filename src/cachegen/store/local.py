@@ -88,6 +88,11 @@ def blob_name_ok(name: str, key: str | None = None, level: int | None = None) ->
     return (key is None or m.group(2) == key) and (level is None or int(m.group(3)) == level)
 
 
+def _being_created(name: str) -> bool:
+    """An entry another process creating the same store at this moment may have made already."""
+    return name in ("blobs", "tmp") or name.startswith((INDEX, f".{MARKER}."))
+
+
 def _is_store(root: Path) -> bool:
     return (root / MARKER).is_file()
 
@@ -150,7 +155,7 @@ class LocalBackend(Backend):
             return None
         if root.exists() and not root.is_dir():
             raise ConfigError(f"{root} is a file, not a store directory: give a directory")
-        if root.is_dir() and any(root.iterdir()):
+        if root.is_dir() and any(not _being_created(p.name) for p in root.iterdir()):
             raise ConfigError(f"{root} is not empty and is not a cachegen store (it has no {MARKER}): "
                               "give a new or empty directory")
         if not create:
