@@ -52,12 +52,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from cachegen.errors import CachegenError, ConfigError
 from cachegen.integrations.vllm.layout import PagedLayout
-from cachegen.integrations.vllm.setup import ConnectorConfig, StoreSetup, open_setup
 from cachegen.kv import KVCache, KVLayer
 from cachegen.store.url import redact
-from cachegen.stream import TEXT, LoaderOptions, StreamingLoader, ThroughputEstimator
 
 if TYPE_CHECKING:
+    from cachegen.integrations.vllm.setup import StoreSetup
+    from cachegen.stream import StreamingLoader
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -117,7 +117,9 @@ class ConnectorStats:
     save_errors: int = 0
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        d["load_faults"] = list(self.load_faults)  # a snapshot, not the live list
+        return d
 
 
 @dataclass
@@ -168,6 +170,11 @@ class CacheGenConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         mc = vllm_config.model_config
         self.block_size = int(vllm_config.cache_config.block_size)
+        # the codec (numba, llvmlite) loads only now: vLLM's worker start-up scans every loaded
+        # module's objects for Triton kernels and fails on llvmlite's, and vLLM imports this
+        # module to read the class before it starts the worker
+        from cachegen.integrations.vllm.setup import ConnectorConfig, open_setup
+
         self.config = ConnectorConfig.from_extra(extra)
         if self.config.chunk_tokens % self.block_size:
             raise ConfigError(f"chunk_tokens {self.config.chunk_tokens} must be a multiple of vLLM's block size "
@@ -177,7 +184,7 @@ class CacheGenConnector(KVConnectorBase_V1):
                         "set it to 'recompute' so vLLM recomputes it",
                         self._kv_transfer_config.kv_load_failure_policy)
         self.dtype: torch.dtype = mc.dtype
-        self.setup: StoreSetup = open_setup(mc.model, self.dtype, self.config)
+        self.setup: "StoreSetup" = open_setup(mc.model, self.dtype, self.config)
         hf = mc.hf_text_config
         self.num_layers = int(hf.num_hidden_layers)
         self.num_kv_heads = int(mc.get_num_kv_heads(vllm_config.parallel_config))
@@ -193,6 +200,7 @@ class CacheGenConnector(KVConnectorBase_V1):
         self._layers: list[torch.Tensor] = []
         self._layout: PagedLayout | None = None
         self._errors: set[int] = set()
+        self._failed_reqs: set[str] = set()  # requests whose load failed in this step
         self._loader: StreamingLoader | None = None
         self._saves: queue.Queue = queue.Queue(maxsize=self.config.save_queue)
         self._saver: threading.Thread | None = None
@@ -259,7 +267,7 @@ class CacheGenConnector(KVConnectorBase_V1):
             if new.req_id in self._pending_loads and st.load is not None:
                 a, b = st.load
                 meta.loads.append(LoadSpec(new.req_id, st.tokens[:b], st.block_ids[: b // self.block_size], a, b))
-            self._saves_for(meta, new.req_id, st, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._saves_for(meta, new.req_id, st, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
@@ -271,14 +279,20 @@ class CacheGenConnector(KVConnectorBase_V1):
                     st.block_ids = list(ids[0])
                 else:
                     st.block_ids.extend(ids[0])
-            self._saves_for(meta, req_id, st, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            self._saves_for(meta, req_id, st, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         self._pending_loads.clear()
         return meta
 
-    def _saves_for(self, meta: CacheGenMetadata, req_id: str, st: _Request, computed: int) -> None:
-        """Prompt chunks this step completes that the store lacks (after this step's forward)."""
+    def _saves_for(self, meta: CacheGenMetadata, req_id: str, st: _Request, before: int, scheduled: int) -> None:
+        """Prompt chunks this step completes that the store lacks (after this step's forward).
+
+        When vLLM recomputes from an earlier position (blocks that failed to load, a
+        preemption), the chunks from there on are considered again: the worker drops the
+        saves of a step whose load failed, as they were computed on top of unloaded blocks."""
         n, bs = self.config.chunk_tokens, self.block_size
-        done = min(computed, len(st.tokens)) // n
+        if before < st.next_save * n:
+            st.next_save = before // n
+        done = min(before + scheduled, len(st.tokens)) // n
         todo = [c for c in range(st.next_save, done) if c not in st.stored]
         st.next_save = max(st.next_save, done)
         # consecutive chunks travel together (one copy, one put)
@@ -318,7 +332,9 @@ class CacheGenConnector(KVConnectorBase_V1):
             self._layout.check(layer)
         log.info("CacheGenConnector: %d layers %s, %s kernel, layout probed", len(names), tuple(first.shape), isa)
 
-    def _make_loader(self) -> StreamingLoader:
+    def _make_loader(self) -> "StreamingLoader":
+        from cachegen.stream import LoaderOptions, StreamingLoader, ThroughputEstimator
+
         s = self.setup
         opts = LoaderOptions(policy=self.config.policy, slo_s=self.config.slo_s, levels=s.levels, dtype=self.dtype,
                              values_per_token=2 * self.num_layers * self.num_kv_heads * self.head_dim)
@@ -335,6 +351,8 @@ class CacheGenConnector(KVConnectorBase_V1):
     def _load_prefix(self, tokens: list[int]) -> tuple[KVCache | None, int, list[str]]:
         """The adapter to cachegen's loader: the decoded KV, how many leading tokens of it were
         really loaded (chunks before the first one left to text or failed), and the faults."""
+        from cachegen.stream import TEXT
+
         assert self._loader is not None
         res = self._loader.load(tokens)
         good = 0
@@ -346,6 +364,7 @@ class CacheGenConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        self._failed_reqs.clear()
         if not isinstance(meta, CacheGenMetadata):
             return
         for spec in meta.loads:
@@ -374,6 +393,8 @@ class CacheGenConnector(KVConnectorBase_V1):
         bad = spec.block_ids[max(good, spec.start) // bs : spec.end // bs]
         with self._lock:
             self._errors.update(bad)
+            if bad:
+                self._failed_reqs.add(spec.req_id)
             self.stats.loads += 1
             self.stats.loaded_tokens += written
             self.stats.load_error_blocks += len(bad)
@@ -395,6 +416,8 @@ class CacheGenConnector(KVConnectorBase_V1):
         if not isinstance(meta, CacheGenMetadata) or not meta.saves or self._layout is None:
             return
         for spec in meta.saves:
+            if spec.req_id in self._failed_reqs:  # computed over blocks vLLM will recompute: saved after that
+                continue
             kv = self._layout.read(self._layers, spec.block_ids, spec.start)  # a copy: the blocks may be reused
             try:
                 self._saves.put_nowait((spec.tokens, kv))
