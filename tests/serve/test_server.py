@@ -202,7 +202,7 @@ def test_full_queue_gives_429(server):
 
 def test_disconnect_cancels_generation(server):
     body = {"model": "m", "prompt": "Write a very long story about a dragon.", "max_tokens": 4000,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, "cachegen": {"ignore_eos": True}}
     with server.client() as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -217,6 +217,8 @@ def test_disconnect_cancels_generation(server):
 
 def test_metrics_and_health(server):
     with server.client() as c:
+        assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                    "max_tokens": 1}).status_code == 200
         text = c.get("/metrics").text
         h = c.get("/health").json()
     for name in ("cachegen_requests_total", "cachegen_ttft_seconds_bucket", "cachegen_request_seconds_bucket",

@@ -148,3 +148,35 @@ def test_background_writer_drops_when_full_and_counts_failures():
     w.submit(list(range(4)), _kv(4))
     assert w.flush(30) and w.stats.failed == 1 and "hunter2" not in w.stats.errors[0]
     w.close()
+
+
+def test_busy_port_is_one_line_before_the_model_loads(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "cachegen", "serve", "--port", str(port), "--store",
+                            f"file://{tmp_path}"], capture_output=True, text=True, timeout=120,
+                           env={**__import__("os").environ, "CACHEGEN_API_KEY": "k"})
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and str(port) in lines[0] and "Traceback" not in r.stderr
+
+
+def test_every_serve_flag_reads_an_environment_variable(monkeypatch):
+    import argparse
+
+    from cachegen.cli import serve
+
+    monkeypatch.setenv("CACHEGEN_PORT", "9191")
+    monkeypatch.setenv("CACHEGEN_MAX_QUEUE", "3")
+    monkeypatch.setenv("CACHEGEN_ACCESS_LOG", "true")
+    p = argparse.ArgumentParser()
+    serve.register(p.add_subparsers())
+    args = p.parse_args(["serve"])
+    assert args.port == 9191 and args.max_queue == 3 and args.access_log is True
+    assert p.parse_args(["serve", "--port", "1234"]).port == 1234

@@ -242,7 +242,9 @@ def run(model: str = "smollm2-135m", modes: Sequence[str] = MODES, workload: Wor
             with (redis_server() if "redis" in mode else _none()) as redis_url:
                 eng, link_name = _engine_for(mode, base, tmp, redis_url, chunk_tokens, ram_bytes)
                 try:
-                    extra = {"cachegen": {"use_cache": False, "store": False}} if mode == "recompute" else {}
+                    # answers of exactly --answer-tokens tokens: every mode does the same decoding work
+                    extra = {"cachegen": {"ignore_eos": True, **({"use_cache": False, "store": False}
+                                                                 if mode == "recompute" else {})}}
                     cfg = ServeConfig(model_name=base.lm.name, max_queue=max(64, w.users * 2),
                                       default_max_tokens=w.answer_tokens,
                                       slo_s=slo_s if mode.startswith("cachegen") else None)

@@ -120,7 +120,7 @@ class Completion:
         self.load_s = time.perf_counter() - t0
         dec = self._dec = Decoder(eng.model, kv)
         ts = TextStream(eng.tokenizer, self.params.stop)
-        eos = frozenset(eng.eos_ids)
+        eos = frozenset() if self.params.ignore_eos else frozenset(eng.eos_ids)
         steps = generate(dec, self.prompt[self.prefix_tokens:], Sampler(self.params), self.params.max_tokens, eos,
                          self.cancelled)
         self.finish_reason = "length"

@@ -24,6 +24,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False  # generate max_tokens tokens whatever the model says (benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

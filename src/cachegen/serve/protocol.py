@@ -3,7 +3,7 @@
 Unknown fields are ignored, as OpenAI's API does; a known field of the
 wrong type or out of range is a 400 that names it. ``n`` other than 1 is
 refused (one answer per request). cachegen's own options ride in the
-``cachegen`` field: ``slo_s``, ``use_cache``, ``store``.
+``cachegen`` field: ``slo_s``, ``use_cache``, ``store``, ``ignore_eos``.
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ def parse(body: dict, kind: str, default_max_tokens: int, default_slo: float | N
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else (default_max_tokens if kind == "chat" else 16),
             temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p, seed=seed, stop=stops)
+            top_p=1.0 if top_p is None else top_p, seed=seed, stop=stops,
+            ignore_eos=_bool(cg, "ignore_eos", False))
     except ConfigError as e:
         raise APIError(400, str(e), "invalid_value") from None
     req = ParsedRequest(kind, params, opts, stream, include_usage, model or "")
