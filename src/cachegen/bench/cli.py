@@ -30,6 +30,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 BENCHES: dict[str, tuple[str, str]] = {
     "codec": ("cachegen.bench.codec_bench", "codec speed and bits/value on a real model's KV"),
     "stream": ("cachegen.bench.stream_bench", "TTFT and quality of streamed loads under a bandwidth trace"),
+    "vllm": ("cachegen.bench.vllm_bench", "warm TTFT and stored bytes of vLLM with cachegen's and vLLM's example KV connector"),
     "serve": ("cachegen.bench.serve_bench", "TTFT and throughput of the HTTP server under multi-round chats"),
 }
 
