@@ -15,7 +15,7 @@ import hashlib
 import struct
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -12,8 +12,16 @@ import torch
 from cachegen.errors import ConfigError, StoreUnavailable
 from cachegen.kv import KVCache
 from cachegen.store import ContextStore, Namespace, open_backend
-from cachegen.stream import (CostModel, LoaderOptions, StreamingLoader, ThrottledLink, ThroughputEstimator,
-                             VirtualClock, VirtualRunner, constant)
+from cachegen.stream import (
+    CostModel,
+    LoaderOptions,
+    StreamingLoader,
+    ThrottledLink,
+    ThroughputEstimator,
+    VirtualClock,
+    VirtualRunner,
+    constant,
+)
 from cachegen.stream.costs import TEXT
 from stream.fakes import FaultyCodec, FaultyStore, ToyCodec, ToyModel
 
@@ -124,7 +132,7 @@ def test_a_bug_in_the_fetch_stage_is_a_fault(setup):
 
 
 def test_fault_messages_are_redacted(setup, caplog):
-    model, codec, store, tokens, kv = setup
+    model, codec, store, tokens, _kv = setup
 
     class Refusing(FaultyStore):
         def get(self, ref, level, *, timeout=None):
@@ -143,7 +151,7 @@ def test_fault_messages_are_redacted(setup, caplog):
 
 
 def test_a_stalled_plan_ends_the_load_at_its_limit(setup):
-    model, codec, store, tokens, kv = setup
+    model, codec, store, tokens, _kv = setup
     faulty = FaultyStore(store, stall_plan=True)
     try:
         res = StreamingLoader(faulty, codec, model.recompute, LoaderOptions(slo_s=0.3, reserve_s=0.1)).load(tokens)
@@ -214,7 +222,7 @@ def test_nothing_is_fetched_or_decoded_after_a_fault_in_virtual_time(setup):
 
 
 def test_load_does_not_change_the_loader(setup):
-    model, codec, store, tokens, kv = setup
+    model, codec, store, tokens, _kv = setup
     loader = StreamingLoader(store, codec, model.recompute, LoaderOptions(policy="rule", slo_s=0.07))
     before = loader.options
     res = loader.load(tokens, slo_s=7.0)
@@ -224,7 +232,7 @@ def test_load_does_not_change_the_loader(setup):
 
 def test_a_config_error_from_the_plan_is_raised(setup):
     """A user's mistake (e.g. a store written with another chunk size) is not a store fault to hide."""
-    model, codec, store, tokens, kv = setup
+    model, codec, store, tokens, _kv = setup
 
     class Mismatched(FaultyStore):
         def plan(self, tokens, *, timeout=None):

@@ -14,7 +14,7 @@ from cachegen.stream.planner import PipelineState, PlanChunk, finish_quantile, s
 REPLAY = ("estimator", "cpu_noise", "seed", "latency_s", "compute_s")
 
 
-def simulate_load(chunks, trace, costs, slo_s, **kw):
+def replay(chunks, trace, costs, slo_s, **kw):
     """The loader in virtual time; keywords of the replay go to it, the rest into LoaderOptions
     (chunks are planned as given: no recency boost unless asked for)."""
     rk = {k: kw.pop(k) for k in REPLAY if k in kw}
@@ -66,7 +66,7 @@ def test_rule_recovers_after_bandwidth_returns_in_sim():
     cs = chunks(8)
     tr = Trace([(0, 0.001), (2, 10.0)], by="chunk")
     # a deadline the slow probe (405 KB at 1 Mbit/s: 3.2 s) fits in
-    r = simulate_load(cs, tr, COSTS, slo_s=10.0, policy="rule", estimator=ThroughputEstimator(prior_gbps=0.001),
+    r = replay(cs, tr, COSTS, slo_s=10.0, policy="rule", estimator=ThroughputEstimator(prior_gbps=0.001),
                       cpu_noise=0.0)
     # text, a probe (still slow), text, a probe that sees 10 Gbps, then good levels
     assert r.choices[:4] == [TEXT, 7, TEXT, 7], r.choices
@@ -79,7 +79,7 @@ def test_a_fetch_still_running_at_the_deadline_is_abandoned_in_sim():
     then, so the load ends at the limit plus the recompute (exact in virtual time without noise)."""
     cs = chunks(8)
     tr = Trace([(0, 0.001), (2, 10.0)], by="chunk")
-    r = simulate_load(cs, tr, COSTS, slo_s=2.0, policy="rule", estimator=ThroughputEstimator(prior_gbps=0.001),
+    r = replay(cs, tr, COSTS, slo_s=2.0, policy="rule", estimator=ThroughputEstimator(prior_gbps=0.001),
                       cpu_noise=0.0)
     # chunk 0 is recomputed (0.56 s); chunk 1's probe would take 3.2 s: at 2.0 s the loader gives up on it
     assert r.choices == [TEXT] * 8 and r.result.decisions[1].reason == "fault", r.choices
@@ -92,10 +92,10 @@ def test_a_fetch_still_running_at_the_deadline_is_abandoned_in_sim():
 def test_sim_constant_generous_and_tight():
     cs = chunks()
     tr = make_trace("constant:10", len(cs))
-    r = simulate_load(cs, tr, COSTS, slo_s=10.0, estimator=ThroughputEstimator(prior_gbps=10.0), cpu_noise=0.0)
+    r = replay(cs, tr, COSTS, slo_s=10.0, estimator=ThroughputEstimator(prior_gbps=10.0), cpu_noise=0.0)
     assert r.choices == [1] * 16 and not r.missed
     tight = simulate(cs, [7] * 16, 0.1, COSTS) * 1.2
-    r = simulate_load(cs, make_trace("constant:0.1", 16), COSTS, slo_s=tight,
+    r = replay(cs, make_trace("constant:0.1", 16), COSTS, slo_s=tight,
                       estimator=ThroughputEstimator(prior_gbps=0.1), cpu_noise=0.0)
     assert not r.missed and r.load_s <= tight, (r.load_s, tight, r.choices)
     assert max(c for c in r.choices if c != TEXT) >= 6
@@ -106,7 +106,7 @@ def test_sim_step_drop_reacts_within_two_chunks():
     # what a loader that reacts one chunk late needs: L1 at 1 Gbps, one L1 chunk at 0.1, then L7 at 0.1
     slo = simulate(cs, [1] * 9 + [7] * 7, 1.0, COSTS) + sum(
         cs[i].sizes[c] * 8 / 0.1e9 for i, c in [(8, 1)] + [(j, 7) for j in range(9, 16)]) + 0.05
-    r = simulate_load(cs, make_trace("step", 16), COSTS, slo_s=slo, estimator=ThroughputEstimator(prior_gbps=1.0),
+    r = replay(cs, make_trace("step", 16), COSTS, slo_s=slo, estimator=ThroughputEstimator(prior_gbps=1.0),
                       cpu_noise=0.0)
     assert not r.missed, (r.load_s, slo, r.choices)
     # chunk 8 is the first slow fetch: the next one is planned at the slow rate for itself but at the
@@ -166,7 +166,7 @@ def test_sim_random_trace_risk_planning_and_prefetch_lower_misses():
     for name, kw_ in (("risk", {"risk_quantile": 0.85}), ("plain", {}), ("shallow", {"prefetch": 1, "risk_quantile": 0.85}),
                       ("rule", {})):
         est = ThroughputEstimator()
-        rs = [simulate_load(cs, t, COSTS, slo, policy="rule" if name == "rule" else "adaptive", estimator=est,
+        rs = [replay(cs, t, COSTS, slo, policy="rule" if name == "rule" else "adaptive", estimator=est,
                             seed=s, cpu_noise=0.0, **kw_)
               for s, t in enumerate(traces)]
         miss[name] = sum(r.missed for r in rs) / len(rs)
@@ -176,9 +176,9 @@ def test_sim_random_trace_risk_planning_and_prefetch_lower_misses():
 
 def test_sim_fetches_the_boosted_last_chunk_first():
     cs = chunks()
-    r = simulate_load(cs, make_trace("constant:1", 16), COSTS, slo_s=10.0, estimator=ThroughputEstimator(prior_gbps=1.0),
+    r = replay(cs, make_trace("constant:1", 16), COSTS, slo_s=10.0, estimator=ThroughputEstimator(prior_gbps=1.0),
                       cpu_noise=0.0, recency_boost=2)
     assert r.fetch_end[15] < r.fetch_end[0] < r.fetch_end[1] and r.choices == [1] * 16 and not r.missed
-    cold = simulate_load(cs, make_trace("constant:1", 16), COSTS, slo_s=10.0, estimator=ThroughputEstimator(),
+    cold = replay(cs, make_trace("constant:1", 16), COSTS, slo_s=10.0, estimator=ThroughputEstimator(),
                          cpu_noise=0.0, recency_boost=2)
     assert cold.fetch_end[0] < cold.fetch_end[15] < cold.fetch_end[1]  # a cold estimator probes with chunk 0

@@ -24,16 +24,25 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
 from cachegen.errors import ConfigError
 from cachegen.kv import KVCache, KVLayer
 from cachegen.store import ChunkInfo, ChunkRef
-from cachegen.stream import (CostModel, LoaderOptions, LoadResult, StreamingLoader, ThrottledLink, ThroughputEstimator,
-                             Trace, VirtualClock, VirtualRunner)
+from cachegen.stream import (
+    CostModel,
+    LoaderOptions,
+    LoadResult,
+    StreamingLoader,
+    ThrottledLink,
+    ThroughputEstimator,
+    Trace,
+    VirtualClock,
+    VirtualRunner,
+)
 from cachegen.stream.costs import TEXT
 from cachegen.stream.planner import Choice, PlanChunk
 

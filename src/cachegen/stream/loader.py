@@ -25,8 +25,10 @@ import math
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,8 +39,15 @@ from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import DirectLink
 from cachegen.stream.pipeline import Call, ProducerEnded, Receive, Runner, Send, Stage, StopProducer, ThreadedRunner
-from cachegen.stream.planner import (RECENCY_BOOST, RISK_QUANTILE, Choice, PlanChunk, decide, fetch_order,
-                                     with_recency_boost)
+from cachegen.stream.planner import (
+    RECENCY_BOOST,
+    RISK_QUANTILE,
+    Choice,
+    PlanChunk,
+    decide,
+    fetch_order,
+    with_recency_boost,
+)
 from cachegen.stream.protocols import ChunkInfoLike, ChunkRefLike, ChunkSource, Clock, Link, Recompute
 
 if TYPE_CHECKING:
@@ -48,7 +57,7 @@ log = logging.getLogger(__name__)
 
 ADAPTIVE = "adaptive"
 RULE = "rule"
-Policy = Union[str, int]  # ADAPTIVE, RULE, TEXT, or a fixed level
+Policy = str | int  # ADAPTIVE, RULE, TEXT, or a fixed level
 
 MIN_STORE_TIMEOUT_S = 0.001  # a store call is never given less (a timeout <= 0 is not a timeout)
 
@@ -151,7 +160,7 @@ class LoadResult:
         return [d.choice for d in self.decisions]
 
     def summary(self) -> str:
-        per = " ".join(f"{d.index}:{'T' if d.choice == TEXT else 'L%d' % d.choice}" for d in self.decisions)
+        per = " ".join(f"{d.index}:{'T' if d.choice == TEXT else f'L{d.choice}'}" for d in self.decisions)
         return (f"{self.cached_tokens} tokens in {self.load_s:.3f}s (slo {self.slo_s}) "
                 f"fetch {self.fetch_s:.3f}s decode {self.decode_s:.3f}s recompute {self.recompute_s:.3f}s "
                 f"faults {len(self.faults)} | {per}")
@@ -390,7 +399,7 @@ class _Load:
     # -- the fetch stage ---------------------------------------------------------------
     def fetch_stage(self) -> Stage[None]:
         try:
-            infos = yield Call(lambda: self.l.plan_infos(self.tokens, self.limit))
+            infos = yield Call(partial(self.l.plan_infos, self.tokens, self.limit))
             plan = self.make_plan(infos)
         except Exception as e:  # any failure of the plan: nothing is loaded, the caller prefills
             yield Send(PlanFailed(_describe("plan", e), e))
@@ -417,8 +426,7 @@ class _Load:
             ref = plan.infos[pos].ref
             start = self.now()
             try:
-                data = yield Call(lambda: self.l.link.fetch(
-                    lambda r, lv: self.l.get(r, lv, self.limit), ref, level))
+                data = yield Call(partial(self.l.link.fetch, partial(self.l.get, until=self.limit), ref, level))
                 nbytes = len(data)
             except Exception as e:  # every fetch failure is a fault: the chunk is recomputed
                 self.trace(e)
@@ -464,7 +472,7 @@ class _Load:
                 d.decode_start = self.now()
                 ref = plan.infos[msg.pos].ref
                 parts = [got[j] for j in range(msg.pos)]  # text comes in order, the early chunk last
-                got[msg.pos] = yield Call(lambda: self.l.recompute_after(parts, self.tokens[ref.start:ref.end]))
+                got[msg.pos] = yield Call(partial(self.l.recompute_after, parts, self.tokens[ref.start:ref.end]))
                 d.decode_end = self.now()
                 d.decode_s = d.decode_end - d.decode_start
                 continue
@@ -476,7 +484,7 @@ class _Load:
                 like = next(iter(got.values()), None)
                 ref = plan.infos[msg.pos].ref
                 try:
-                    got[msg.pos] = yield Call(lambda: self.l.decode(msg.data, ref, like))
+                    got[msg.pos] = yield Call(partial(self.l.decode, msg.data, ref, like))
                     fault = None
                 except Exception as e:  # anything a decode raises means: this chunk is not usable
                     fault = _describe(f"chunk {msg.pos} level {msg.level}", e)
@@ -509,7 +517,7 @@ class _Load:
         if fault_at is not None:
             a, b = chunks[fault_at].start, chunks[-1].start + chunks[-1].num_tokens
             t = self.now()
-            rest = yield Call(lambda: self.l.recompute_after(parts, self.tokens[a:b]))
+            rest = yield Call(partial(self.l.recompute_after, parts, self.tokens[a:b]))
             dt = self.now() - t
             parts.append(rest)
             for k in range(fault_at, n):
@@ -518,7 +526,7 @@ class _Load:
                 d.reason = "fault" if k in failed else "after fault"
                 d.decode_start, d.decode_end, d.decode_s = t, t + dt, dt * chunks[k].num_tokens / (b - a)
         t = self.now()
-        res.kv = yield Call(lambda: self.l.stitch(parts))
+        res.kv = yield Call(partial(self.l.stitch, parts))
         res.stitch_s = self.now() - t
         res.cached_tokens = res.kv.end
         res.fetch_s = sum(d.fetch_s for d in decisions)

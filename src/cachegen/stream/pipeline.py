@@ -28,8 +28,9 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Generic, Protocol, TypeVar, Union
+from typing import Any, Generic, Protocol, TypeVar
 
 from cachegen.errors import LoaderError
 from cachegen.stream.protocols import Clock
@@ -70,7 +71,7 @@ class ProducerEnded:
     error: BaseException | None = None
 
 
-Op = Union[Call, Send, Receive, StopProducer]
+Op = Call | Send | Receive | StopProducer
 Stage = Generator[Op, Any, R]
 
 

@@ -9,7 +9,8 @@ a chunk written for another key raises :class:`~cachegen.errors.KeyMismatch`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from cachegen.codec import ChunkCodec
