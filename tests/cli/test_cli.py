@@ -288,3 +288,38 @@ def test_result_paths_are_checked_before_the_run(env, tmp_path):
     assert_user_error(cachegen(env, "bench", "quality", "--json", tmp_path), "directory")
     assert_user_error(cachegen(env, "bench", "needle", "--plot", tmp_path / "afile" / "p.png"), "--plot")
     assert_user_error(cachegen(env, "bench", "all", "--out", tmp_path / "afile"), "--out")
+
+
+def test_levels_are_checked_before_the_model_loads(env, tmp_path):
+    f = tmp_path / "doc.txt"
+    f.write_text("Some text to store. " * 50)
+    assert_user_error(cachegen(env, "store", "ingest", f, "--levels", "high"), "--levels", "high")
+    r = cachegen(env, "store", "ingest", f, "--levels", "1,9")
+    assert_user_error(r, "9")
+    assert not (tmp_path / "home" / "models").exists() or not any((tmp_path / "home" / "models").iterdir())
+
+
+def test_json_dash_for_a_bench_module_that_writes_its_own_file(tmp_path, monkeypatch, capsys):
+    """A module in BENCHES that only knows how to write a path still gets --json - right."""
+    (tmp_path / "cg_fake_bench.py").write_text(
+        "import json\n"
+        "def register(sub):\n"
+        "    p = sub.add_parser('fake', help='a bench that writes its own JSON file')\n"
+        "    p.add_argument('--json', help='path')\n"
+        "    p.set_defaults(func=run)\n"
+        "def run(args):\n"
+        "    print('a table for people')\n"
+        "    open(args.json, 'w').write(json.dumps({'rows': [1, 2]}))\n"
+        "    return 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from cachegen.bench import cli as bench_cli
+    from cachegen.cli.main import main
+
+    monkeypatch.setitem(bench_cli.BENCHES, "fake", ("cg_fake_bench", "fake"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "fake", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"rows": [1, 2]} and "a table for people" in err
+    assert not (tmp_path / "-").exists()
+    assert main(["bench", "fake", "--json", "r.json"]) == 0
+    assert json.loads((tmp_path / "r.json").read_text()) == {"rows": [1, 2]}

@@ -120,6 +120,34 @@ def _selected(argv: Sequence[str] | None) -> str | None:
     return rest[0] if rest else None
 
 
+def _json_dash(p: argparse.ArgumentParser) -> None:
+    """Give a bench module's command ``--json -``: it writes a temporary file, the CLI copies it to stdout.
+
+    The modules write their JSON themselves (to a path); this keeps the one
+    meaning of ``--json -`` without each of them knowing about stdout.
+    """
+    func = p.get_default("func")
+    if func is None or "--json" not in p._option_string_actions:
+        return
+
+    def run(args: argparse.Namespace):
+        if getattr(args, "json", None) != "-":
+            return func(args)
+        import json
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory(prefix="cachegen-json-") as d:
+            args.json = str(Path(d) / "result.json")
+            rc = func(args)
+            if Path(args.json).is_file():
+                write_json(json.loads(Path(args.json).read_text()), "-")
+            args.json = "-"
+        return rc
+
+    p.set_defaults(func=run)
+
+
 def register(subparsers, argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """Add ``bench`` and its subcommands; of :data:`BENCHES` only the one named in ``argv`` is imported."""
     bench = subparsers.add_parser("bench", help="evaluate codecs: size vs quality, needle accuracy, TTFT vs bandwidth")
@@ -162,6 +190,7 @@ def register(subparsers, argv: Sequence[str] | None = None) -> argparse.Argument
     for name, (module, help_text) in BENCHES.items():
         if name == wanted or (argv is None):
             importlib.import_module(module).register(sub)
+            _json_dash(sub.choices[name])
         else:  # listed for --help; its module loads only when it runs
             sub.add_parser(name, help=help_text)
 

@@ -94,6 +94,14 @@ class _Formatter(logging.Formatter):
         return msg
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (tests and callers may swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def configure_logging(verbose: int = 0, quiet: bool = False) -> None:
     """One stderr handler on the root logger; cachegen's loggers at INFO (DEBUG with -v, ERROR with -q)."""
     from cachegen import progress
@@ -102,7 +110,7 @@ def configure_logging(verbose: int = 0, quiet: bool = False) -> None:
     for h in list(root.handlers):
         if getattr(h, "_cachegen", False):
             root.removeHandler(h)
-    h = logging.StreamHandler(sys.stderr)
+    h = _StderrHandler(sys.stderr)
     h._cachegen = True  # type: ignore[attr-defined]
     h.setFormatter(_Formatter())
     root.addHandler(h)
