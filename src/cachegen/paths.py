@@ -6,10 +6,15 @@ import os
 from pathlib import Path
 
 
-def home() -> Path:
-    """``$CACHEGEN_HOME``, default ``~/.cache/cachegen``; created on first use."""
-    p = Path(os.environ.get("CACHEGEN_HOME") or Path.home() / ".cache" / "cachegen")
-    p.mkdir(parents=True, exist_ok=True)
+def home(create: bool = True) -> Path:
+    """``$CACHEGEN_HOME``, default ``~/.cache/cachegen``; created on first use unless ``create=False``.
+
+    Read-only callers (listing models, reading a config) pass ``create=False`` so
+    looking never leaves a directory behind.
+    """
+    p = Path(os.environ.get("CACHEGEN_HOME") or Path.home() / ".cache" / "cachegen").expanduser()
+    if create:
+        p.mkdir(parents=True, exist_ok=True)
     return p
 
 

@@ -323,3 +323,16 @@ def test_json_dash_for_a_bench_module_that_writes_its_own_file(tmp_path, monkeyp
     assert not (tmp_path / "-").exists()
     assert main(["bench", "fake", "--json", "r.json"]) == 0
     assert json.loads((tmp_path / "r.json").read_text()) == {"rows": [1, 2]}
+
+
+@pytest.mark.model
+def test_count_tokens_uses_the_tokenizer_alone(smollm2, tmp_path, monkeypatch):
+    from cachegen.cli import checks
+
+    text = "Count these tokens, please. " * 10
+    assert checks.count_tokens(str(smollm2.path), text) == len(smollm2.tokenizer(text)["input_ids"])
+    monkeypatch.setenv("CACHEGEN_HOME", str(tmp_path))  # not converted here: only the engine can tell
+    assert checks.count_tokens("smollm2-135m", text) is None
+    with pytest.raises(Exception, match="at most 8192"):
+        checks.context_length("smollm2-135m", 9000)
+    checks.context_length("smollm2-135m", 8192)

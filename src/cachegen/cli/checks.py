@@ -132,9 +132,10 @@ def count_tokens(model: str, text: str) -> int | None:
     A shipped model not yet converted has its tokenizer inside the GGUF; the
     check then waits for the engine (still before any prefill).
     """
-    from cachegen.engine.models import MODELS, converted_dir
+    from cachegen import paths
+    from cachegen.engine.models import MODELS
 
-    d = converted_dir(model) if model in MODELS else Path(model).expanduser()
+    d = paths.home(create=False) / "models" / model if model in MODELS else Path(model).expanduser()
     if not (d / "tokenizer_config.json").is_file() and not (d / "tokenizer.json").is_file():
         return None
     from transformers import AutoTokenizer

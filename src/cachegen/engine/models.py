@@ -259,7 +259,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: "torch.dtype | None" = 
 
 def converted(name: str) -> bool:
     """Whether a converted copy of the shipped model ``name`` exists (not verified: that reads the weights)."""
-    return (paths.home() / "models" / name / MANIFEST).is_file()
+    return (paths.home(create=False) / "models" / name / MANIFEST).is_file()
 
 
 def model_positions(name_or_path: str) -> int | None:
@@ -269,7 +269,7 @@ def model_positions(name_or_path: str) -> int | None:
     neither a shipped model nor a model directory.
     """
     if name_or_path in MODELS:
-        cfg = paths.home() / "models" / name_or_path / "config.json"
+        cfg = paths.home(create=False) / "models" / name_or_path / "config.json"
         if cfg.is_file():
             n = _config_positions(cfg)
             if n:
