@@ -333,6 +333,8 @@ def test_count_tokens_uses_the_tokenizer_alone(smollm2, tmp_path, monkeypatch):
     assert checks.count_tokens(str(smollm2.path), text) == len(smollm2.tokenizer(text)["input_ids"])
     monkeypatch.setenv("CACHEGEN_HOME", str(tmp_path))  # not converted here: only the engine can tell
     assert checks.count_tokens("smollm2-135m", text) is None
-    with pytest.raises(Exception, match="at most 8192"):
+    from cachegen.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="at most 8192"):
         checks.context_length("smollm2-135m", 9000)
     checks.context_length("smollm2-135m", 8192)

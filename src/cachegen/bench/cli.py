@@ -16,7 +16,7 @@ torch at the top costs ``cachegen --help`` nothing.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -48,4 +48,4 @@ def load(model: str, dtype: str = "float32"):
 def codecs_for(lm, names: Sequence[str]):
     from cachegen.bench.baselines import make_codecs
 
-    return make_codecs(names, loaded_model=lm, warn=log.warning)
+    return make_codecs(names, loaded_model=lm)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from cachegen.bench.cli import BENCHES, DEFAULT_CODECS, DTYPES, NEEDLE_COLS, QUALITY_COLS, TTFT_COLS
 from cachegen.cli import checks, options

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     checks.context_length(args.model, args.context_tokens, "--context-tokens")
     checks.store(args.store)
 
-    say = lambda *a: print(*a, flush=True)  # noqa: E731
+    say = lambda *a: print(*a, flush=True)
     say(f"cachegen demo: model {args.model}, store {args.store or 'local (default)'}")
     with Engine.open(args.model, args.store, chunk_tokens=args.chunk_tokens, progress=True) as eng:
         case = corpus.needle_case(eng.tokenizer, args.context_tokens, seed=args.seed)

@@ -19,7 +19,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from cachegen import __version__
 from cachegen.cli import output

@@ -15,7 +15,7 @@ from cachegen.cli.output import add_json
 DEFAULT_MODEL = "smollm2-135m"  # = cachegen.engine.models.DEFAULT_MODEL, without importing the engine
 DEFAULT_CHUNK_TOKENS = 256  # = cachegen.store.keys.DEFAULT_CHUNK_TOKENS (checked by tests/cli)
 
-__all__ = ["add_json", "model", "store", "chunk_tokens", "levels", "bandwidth_gbps", "slo_s", "context_tokens"]
+__all__ = ["add_json", "bandwidth_gbps", "chunk_tokens", "context_tokens", "levels", "model", "slo_s", "store"]
 
 
 def model(p: argparse.ArgumentParser, default: str = DEFAULT_MODEL) -> None:

@@ -22,9 +22,10 @@ import shutil
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Callable
+from typing import TYPE_CHECKING, BinaryIO
 
 from cachegen import paths
 from cachegen.errors import ModelNotFound
@@ -113,7 +114,7 @@ class LoadedModel:
     """A model, its tokenizer, and a fingerprint that names it in chunk keys."""
 
     name: str
-    model: "torch.nn.Module"
+    model: torch.nn.Module
     tokenizer: object
     fingerprint: str  # hex digest identifying the exact weights and architecture
     path: Path
@@ -214,7 +215,7 @@ def converted_dir(name: str) -> Path:
     return paths.subdir("models") / name
 
 
-def _load_dir(d: Path, name: str, dtype: "torch.dtype") -> LoadedModel:
+def _load_dir(d: Path, name: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
@@ -223,7 +224,7 @@ def _load_dir(d: Path, name: str, dtype: "torch.dtype") -> LoadedModel:
     return LoadedModel(name=name, model=model, tokenizer=tok, fingerprint=_fingerprint_dir(d), path=d)
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype: "torch.dtype | None" = None,
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | None = None,
                progress: bool = True) -> LoadedModel:
     """Load ``smollm2-135m``, ``gemma3-270m`` or a local Hugging Face model directory (``dtype`` default fp32)."""
     import torch
