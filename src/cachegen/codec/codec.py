@@ -22,9 +22,12 @@ import torch
 from cachegen.codec import importance, quant, rans
 from cachegen.codec.container import (
     FORMAT_VERSION,
+    MAX_POSITION,
     ChunkHeader,
     LayerShape,
     Reader,
+    check_key,
+    key_digest,
     pack_header,
     parse_header,
     section_bytes,
@@ -36,6 +39,13 @@ from cachegen.errors import CodecError, ConfigError, CorruptChunk, ProfileMismat
 from cachegen.kv import KVCache, KVLayer
 
 LOSSLESS = 0
+DEFAULT_MAX_TOKENS = 1 << 15  # per chunk: beyond the context of the models served here (chunks are 256)
+MAX_VALUES_NO_PROFILE = 1 << 27  # per chunk, for a codec without a profile (no model layout to check against)
+# Lossless byte-plane tables give no symbol more than this frequency (of 4096): every symbol
+# costs >= 1/8 bit, so a chunk's declared size is bounded by its payload (at most 64 values
+# per payload byte and plane) whatever its own table says (a table with p = 1 bounds nothing).
+LOSSLESS_MAX_FREQ = int((1 << PRECISION) * 2 ** (-1 / 8))
+LOSSLESS_MIN_BITS = 1 / 8
 
 
 def _bytes_view(x: torch.Tensor) -> np.ndarray:
@@ -56,9 +66,19 @@ def _from_bytes(b: np.ndarray | memoryview, shape: tuple[int, ...], dtype: torch
 
 
 class Codec:
-    """Encode/decode KV chunks. ``profile=None`` makes chunks carry their own tables."""
+    """Encode/decode KV chunks (a :class:`~cachegen.codec.ChunkCodec`). ``profile=None`` makes chunks carry their own tables.
 
-    def __init__(self, profile: Profile | None = None, model_fingerprint: str = "", threads: int = 2):
+    ``max_tokens`` bounds every chunk this codec encodes or decodes: a chunk that claims
+    more is refused from its header, before anything is allocated (with a profile the
+    layout must be the profile's too, so a chunk's memory is bounded by the model's)."""
+
+    name = "cachegen"
+
+    def __init__(self, profile: Profile | None = None, model_fingerprint: str = "", threads: int = 2,
+                 max_tokens: int = DEFAULT_MAX_TOKENS):
+        if not 1 <= max_tokens <= MAX_POSITION:
+            raise ConfigError(f"max_tokens must be 1..{MAX_POSITION}, not {max_tokens}")
+        self.max_tokens = int(max_tokens)
         self.profile = profile
         self.model_fingerprint = model_fingerprint or (profile.model_fingerprint if profile else "")
         if profile is not None and model_fingerprint and profile.model_fingerprint and model_fingerprint != profile.model_fingerprint:
@@ -82,6 +102,12 @@ class Codec:
             raise ConfigError(f"unsupported dtype {dtype}")
         if any(l.k.dtype != dtype or l.v.dtype != dtype for l in kv.layers):
             raise ConfigError("all layers must share one dtype")
+        if kv.num_tokens > self.max_tokens:
+            raise ConfigError(f"a chunk of {kv.num_tokens} tokens is over this codec's max_tokens ({self.max_tokens})")
+        if not 0 <= kv.start <= MAX_POSITION - kv.num_tokens:
+            raise ConfigError(f"chunk start {kv.start} out of range")
+        if not all(torch.isfinite(t).all() for l in kv.layers for t in (l.k, l.v)):
+            raise CodecError("the KV holds NaN or Inf: no chunk carries non-finite values (a decoder refuses them)")
         layers = tuple(LayerShape(l.kind, l.window, int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in kv.layers)
         xs = [t for l in kv.layers for t in (l.k, l.v)]
         inline: bytes | None = None
@@ -101,9 +127,6 @@ class Codec:
                     raise ConfigError(f"unknown level {level}; lossy levels are {quant_levels()}")
                 prof = calibrate([kv], self.model_fingerprint, use_pca=False, levels=[level], n_sink=4)
                 inline = prof.to_bytes()
-            for x in xs:
-                if not torch.isfinite(x).all():
-                    raise CodecError("lossy levels need finite values (use level 0 for NaN/inf)")
             sink = max(0, min(kv.num_tokens, prof.n_sink - kv.start))
             lp = prof.levels[level]
             tables, cls = lp.padded_tables(), lp.classes(prof.sections)
@@ -113,7 +136,7 @@ class Codec:
             bodies = [b for pair in self._map(_encode_layer, jobs) for b in pair]
         secs = ([inline] if inline is not None else []) + bodies
         h = ChunkHeader(
-            FORMAT_VERSION, self.model_fingerprint, pid, level, kv.start, kv.num_tokens, dtype, layers, sink,
+            FORMAT_VERSION, self.model_fingerprint, pid, level, key_digest(key), kv.start, kv.num_tokens, dtype, layers, sink,
             inline is not None, tuple(len(s) for s in secs), tuple(zlib.crc32(s) for s in secs), 0,
         )
         return pack_header(h) + b"".join(secs)
@@ -122,6 +145,17 @@ class Codec:
     def peek(self, data: bytes) -> ChunkHeader:
         """The chunk's header (validated), without decoding the payload."""
         return parse_header(data)
+
+    def _check_bounds(self, h: ChunkHeader) -> None:
+        """The chunk's size against this codec's limits and its layout against the profile, from the header alone."""
+        if h.num_tokens > self.max_tokens:
+            raise CorruptChunk(f"chunk claims {h.num_tokens} tokens, this codec takes at most {self.max_tokens}")
+        if self.profile is not None:
+            dims = [(l.heads, l.k_dim, l.v_dim) for l in h.layers]
+            if dims != [tuple(d) for d in self.profile.layer_dims]:
+                raise CorruptChunk("chunk layout does not match the model's (the profile's)")
+        elif h.num_values > MAX_VALUES_NO_PROFILE:
+            raise CorruptChunk(f"chunk claims {h.num_values} values, over {MAX_VALUES_NO_PROFILE}")
 
     def _profile_for(self, data: bytes, h: ChunkHeader) -> Profile | None:
         if self.model_fingerprint and h.model_fingerprint and self.model_fingerprint != h.model_fingerprint:
@@ -152,8 +186,13 @@ class Codec:
         return prof
 
     def decode_layers(self, data: bytes, *, key: str | None = None) -> Iterator[tuple[int, KVLayer]]:
-        """Yield ``(layer_index, KVLayer)`` in order as sections are decoded."""
+        """Yield ``(layer_index, KVLayer)`` in order as sections are decoded.
+
+        Raises CorruptChunk (KeyMismatch when ``key`` is given and the chunk was written for
+        another key) before any section is decoded when the header is wrong."""
         h = parse_header(data)
+        check_key(h, key)
+        self._check_bounds(h)
         prof = self._profile_for(data, h)
         first = 1 if h.inline_profile else 0
         jobs = []
@@ -241,7 +280,14 @@ def _lossless_tables(plane: np.ndarray) -> np.ndarray:
     counts = np.bincount(plane.ravel(), minlength=256).astype(np.float64)
     if (counts > 0).sum() < 2:  # keep every probability < 1 (bounds hostile symbol counts)
         counts[0 if counts[0] == 0 else 1] = 1e-9 * max(1.0, counts.sum())
-    return rans.quantize_counts(counts, PRECISION)
+    freqs = rans.quantize_counts(counts, PRECISION)
+    top = int(np.argmax(freqs))
+    if freqs[top] > LOSSLESS_MAX_FREQ:  # a near-constant plane: cap its top symbol (see LOSSLESS_MAX_FREQ)
+        rest = freqs.copy()
+        rest[top] = -1
+        freqs[int(np.argmax(rest))] += int(freqs[top]) - LOSSLESS_MAX_FREQ
+        freqs[top] = LOSSLESS_MAX_FREQ
+    return freqs
 
 
 def _encode_lossless(x: torch.Tensor) -> bytes:
@@ -271,21 +317,31 @@ def _decode_lossless(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int)
     size = struct.unpack("<B", r.take(1))[0]
     if size != torch.empty((), dtype=h.dtype).element_size():
         raise CorruptChunk(f"section {i}: element size mismatch")
-    raw = np.empty((t, c, size), dtype=np.uint8)
-    for b in range(size):
+    planes = []
+    for _ in range(size):  # parse and bound every plane before allocating the output
         freqs = np.frombuffer(r.take(512), dtype="<u2").astype(np.int64)
-        if int(freqs.sum()) != 1 << PRECISION:
+        if int(freqs.sum()) != 1 << PRECISION or int(freqs.max()) > LOSSLESS_MAX_FREQ:
             raise CorruptChunk(f"section {i}: bad lossless table")
-        tables = rans.Tables.build([rans.Categorical(freqs, PRECISION)])
         nw = r.u32()
         lengths = np.frombuffer(r.take(4 * c), dtype="<u4").astype(np.int64)
-        words = np.frombuffer(r.take(2 * nw), dtype="<u2").astype(np.uint16)
-        rans.check_budget(t, c, nw, tables, f"section {i}")
-        raw[:, :, b] = rans.decode_columns(words, lengths, t, np.zeros(c, dtype=np.int64), tables)
-    if r.p != len(mv):
-        raise CorruptChunk(f"section {i}: trailing bytes")
+        words = np.frombuffer(r.take(2 * nw), dtype="<u2")
+        if t * c * LOSSLESS_MIN_BITS > 16 * nw + 64 * c + 64:
+            raise CorruptChunk(f"section {i}: symbol count inconsistent with payload size")
+        planes.append((freqs, lengths, words))
+    r.done()
+    raw = np.empty((t, c, size), dtype=np.uint8)
+    for b, (freqs, lengths, words) in enumerate(planes):
+        tables = rans.Tables.build([rans.Categorical(freqs, PRECISION)])
+        raw[:, :, b] = rans.decode_columns(words.astype(np.uint16), lengths, t, np.zeros(c, dtype=np.int64), tables)
     x = _from_bytes(raw.reshape(-1), (t, heads, d), h.dtype)
-    return x.permute(1, 0, 2).contiguous()
+    return _finite(x.permute(1, 0, 2).contiguous(), i)
+
+
+def _finite(x: torch.Tensor, i: int) -> torch.Tensor:
+    """``x``, or CorruptChunk when it holds NaN or Inf (no encoder writes them: a damaged or hostile chunk)."""
+    if not bool(torch.isfinite(x).all()):
+        raise CorruptChunk(f"section {i}: non-finite values")
+    return x
 
 
 def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, prof: Profile) -> torch.Tensor:
@@ -303,8 +359,9 @@ def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, pr
     n_esc = r.u32()
     if n_esc > t * c:
         raise CorruptChunk(f"section {i}: escape count out of range")
+    esc_raw = r.take(4 * n_esc)  # present before anything is allocated for it
     esc = np.zeros(n_esc + 1, dtype=np.int32)
-    esc[:n_esc] = np.frombuffer(r.take(4 * n_esc), dtype="<i4")
+    esc[:n_esc] = np.frombuffer(esc_raw, dtype="<i4")
     u = np.zeros(t, dtype=np.int64)
     if sp.imp is not None and t:
         u_tables = prof.u_tables()
@@ -330,4 +387,4 @@ def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, pr
     if sink:
         xs = _from_bytes(sink_raw, (heads, sink, d), h.dtype)
         x = torch.cat([xs, x], dim=1)
-    return x
+    return _finite(x, i)

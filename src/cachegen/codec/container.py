@@ -4,19 +4,25 @@ Layout (little endian)::
 
     "CGKC" u16 version u16 header_len
     header: u8 level, u8 dtype, u8 flags, u8 fp_len, fingerprint, 16-byte profile id,
+            16-byte key digest (blake2b of the store's chunk key, "" when none),
             u64 start, u32 tokens, u16 layers, u16 sink_tokens, u16 sections,
             per layer (u8 kind, u32 window, u16 heads, u16 k_dim, u16 v_dim),
             per section (u64 length, u32 crc32)
     u32 crc32 of everything above
     sections: [inline profile if flags & INLINE_PROFILE], then K and V of each layer
 
-Sections are independent, so decoding can start layer by layer. Every size is
-checked against hard caps and against the bytes actually present before
-anything is allocated.
+Sections are independent, so decoding can start layer by layer. Every field
+is bounded here (positions below :data:`MAX_POSITION`, counts below hard caps,
+lengths equal to the bytes present); the codec then checks the layout against
+its profile and its own per-chunk token maximum before anything is allocated.
+The key digest binds a chunk to the key it was written for: the header
+checksum covers it, so a chunk copied over another key fails with
+:class:`~cachegen.errors.KeyMismatch` instead of loading.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
@@ -24,11 +30,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cachegen.errors import CorruptChunk, FormatVersionError
+from cachegen.errors import CorruptChunk, FormatVersionError, KeyMismatch
 from cachegen.kv import LayerKind
 
 MAGIC = b"CGKC"
-FORMAT_VERSION = 3  # 2: lossy sections are one interleaved rANS stream (16 shared states); 3: + per-token step multipliers
+FORMAT_VERSION = 4  # 2: lossy sections are one interleaved rANS stream (16 shared states); 3: + per-token step multipliers;
+# 4: + the chunk key's digest in the header; lossless tables never give a symbol p > LOSSLESS_MAX_FREQ / 4096
 FLAG_INLINE_PROFILE = 1
 
 DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
@@ -41,6 +48,8 @@ MAX_HEADS = 1024
 MAX_DIM = 8192
 MAX_TOKENS = 1 << 22
 MAX_VALUES = 1 << 31
+MAX_POSITION = 1 << 24  # start + tokens: far beyond any model's context, exact in float32 RoPE tables
+DIGEST_SIZE = 16
 
 _PRE = struct.Struct("<4sHH")
 _FIX = struct.Struct("<BBBB")
@@ -66,6 +75,7 @@ class ChunkHeader:
     model_fingerprint: str
     profile_id: str  # hex, "" when the chunk carries its own tables
     level: int
+    key_digest: bytes  # DIGEST_SIZE bytes: :func:`key_digest` of the chunk key it was written for
     start: int
     num_tokens: int
     dtype: torch.dtype
@@ -88,12 +98,26 @@ class ChunkHeader:
         return out
 
 
+def key_digest(key: str | None) -> bytes:
+    """The digest a chunk written for ``key`` carries (``None``: no key, the digest of "")."""
+    return hashlib.blake2b((key or "").encode(), digest_size=DIGEST_SIZE, person=b"cachegen-chunk").digest()
+
+
+def check_key(h: ChunkHeader, key: str | None) -> None:
+    """KeyMismatch unless the chunk was written for ``key`` (no check when ``key`` is None)."""
+    if key is not None and h.key_digest != key_digest(key):
+        raise KeyMismatch("chunk was written for another key (a foreign or swapped chunk)")
+
+
 def pack_header(h: ChunkHeader) -> bytes:
     fp = h.model_fingerprint.encode()
     if len(fp) > 255:
         raise ValueError("fingerprint longer than 255 bytes")
     pid = bytes.fromhex(h.profile_id) if h.profile_id else bytes(16)
-    body = [_FIX.pack(h.level, DTYPE_CODES[h.dtype], FLAG_INLINE_PROFILE if h.inline_profile else 0, len(fp)), fp, pid.ljust(16, b"\0")[:16]]
+    if len(h.key_digest) != DIGEST_SIZE:
+        raise ValueError("bad key digest")
+    body = [_FIX.pack(h.level, DTYPE_CODES[h.dtype], FLAG_INLINE_PROFILE if h.inline_profile else 0, len(fp)), fp, pid.ljust(16, b"\0")[:16],
+            h.key_digest]
     body.append(_POS.pack(h.start, h.num_tokens, len(h.layers), h.sink_tokens, len(h.section_lengths)))
     for l in h.layers:
         body.append(_LAYER.pack(KIND_CODES[l.kind], l.window or 0, l.heads, l.k_dim, l.v_dim))
@@ -129,12 +153,16 @@ def parse_header(data: bytes | memoryview) -> ChunkHeader:
         p += fplen
         pid = bytes(mv[p : p + 16])
         p += 16
+        digest = bytes(mv[p : p + DIGEST_SIZE])
+        p += DIGEST_SIZE
         start, tokens, nl, sink, nsec = _POS.unpack_from(mv, p)
         p += _POS.size
         if dcode not in DTYPES:
             raise CorruptChunk(f"unknown dtype code {dcode}")
         if not (1 <= nl <= MAX_LAYERS) or tokens > MAX_TOKENS or sink > tokens:
             raise CorruptChunk("layer or token count out of range")
+        if start + tokens > MAX_POSITION:
+            raise CorruptChunk(f"positions out of range (start {start})")
         inline = bool(flags & FLAG_INLINE_PROFILE)
         if flags & ~FLAG_INLINE_PROFILE:
             raise CorruptChunk("unknown flags")
@@ -147,7 +175,7 @@ def parse_header(data: bytes | memoryview) -> ChunkHeader:
             if kc not in KINDS or not (1 <= heads <= MAX_HEADS) or not (1 <= kd <= MAX_DIM) or not (1 <= vd <= MAX_DIM):
                 raise CorruptChunk("layer shape out of range")
             kind = KINDS[kc]
-            if (kind == LayerKind.SLIDING) != (win > 0):
+            if (kind == LayerKind.SLIDING) != (win > 0) or win > MAX_POSITION:
                 raise CorruptChunk("layer window inconsistent with its kind")
             layers.append(LayerShape(kind, win or None, heads, kd, vd))
         lens, crcs = [], []
@@ -156,14 +184,14 @@ def parse_header(data: bytes | memoryview) -> ChunkHeader:
             p += _SEC.size
             lens.append(ln)
             crcs.append(c)
-        if p != end:
+        if p != end or len(digest) != DIGEST_SIZE:
             raise CorruptChunk("header length mismatch")
     except struct.error:
         raise CorruptChunk("truncated header") from None
     except UnicodeDecodeError:
         raise CorruptChunk("fingerprint is not ascii") from None
     h = ChunkHeader(
-        version, fp, pid.hex() if any(pid) else "", level, start, tokens, DTYPES[dcode], tuple(layers), sink, inline,
+        version, fp, pid.hex() if any(pid) else "", level, digest, start, tokens, DTYPES[dcode], tuple(layers), sink, inline,
         tuple(lens), tuple(crcs), end + 4,
     )
     if h.num_values > MAX_VALUES:
