@@ -1,3 +1,4 @@
+import itertools
 import json
 import threading
 import time
@@ -53,4 +54,4 @@ def test_throttled_link_serializes_transfers():
     [th.join() for th in ths]
     assert time.perf_counter() - t >= 0.058
     spans = sorted((s, e) for _, _, s, e in link.log)
-    assert all(b[0] >= a[1] - 1e-9 for a, b in zip(spans, spans[1:]))
+    assert all(b[0] >= a[1] - 1e-9 for a, b in itertools.pairwise(spans))

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-import threading
-import time
+import itertools
 
 import pytest
 import torch
 
-from cachegen.errors import ChunkNotFound, StoreUnavailable
 from cachegen.kv import KVCache
 from cachegen.store import ContextStore, Namespace, open_backend
-from cachegen.stream import (CostModel, LoaderOptions, StreamingLoader, ThrottledLink, ThroughputEstimator,
-                             VirtualClock, VirtualRunner, constant, step)
+from cachegen.stream import (
+    CostModel,
+    LoaderOptions,
+    StreamingLoader,
+    ThrottledLink,
+    ThroughputEstimator,
+    VirtualClock,
+    VirtualRunner,
+    constant,
+    step,
+)
 from cachegen.stream.costs import TEXT
 from stream.fakes import FaultyStore, ToyCodec, ToyModel
 
@@ -51,7 +58,7 @@ def assert_same(a: KVCache, b: KVCache, atol=0.0):
 def test_lossless_load_equals_cache(setup):
     model, codec, store, tokens, kv = setup
     loader = make_loader(store, codec, model.recompute, policy=0)
-    longer = loader.load(tokens + [1, 2, 3])  # the partial last chunk's key covers other tokens
+    longer = loader.load([*tokens, 1, 2, 3])  # the partial last chunk's key covers other tokens
     assert longer.cached_tokens == 6 * CHUNK
     res = loader.load(tokens)
     assert res.cached_tokens == N_TOKENS
@@ -62,7 +69,7 @@ def test_lossless_load_equals_cache(setup):
 
 
 def test_nothing_cached(setup):
-    model, codec, store, tokens, kv = setup
+    model, codec, store, _tokens, _kv = setup
     res = make_loader(store, codec, model.recompute).load([500, 501, 502] * 20)
     assert res.kv is None and res.cached_tokens == 0 and res.decisions == []
 
@@ -97,7 +104,7 @@ def test_fault_recomputes_rest(setup, fault, at):
 
 
 def test_fault_after_lossy_prefix_never_keeps_bad_chunk(setup):
-    model, codec, store, tokens, kv = setup
+    model, codec, store, tokens, _kv = setup
     faulty = FaultyStore(store, {2: "corrupt"})
     res = make_loader(faulty, codec, model.recompute, policy=3).load(tokens)
     good = KVCache.concat([codec.decode(store.get(i.ref, 3)) for i in store.plan(tokens)[:2]])
@@ -154,13 +161,13 @@ def test_missing_in_plan_is_recomputed_and_later_chunks_fetched(setup, tmp_path)
 
 
 def test_pipeline_overlaps_fetch_and_decode(setup):
-    model, codec, store, tokens, kv = setup
+    model, _codec, store, tokens, _kv = setup
     slow_codec = ToyCodec(delay_s_per_mvalue=15.0)  # ~0.03 s per chunk, sleeping (releases the GIL)
     link = ThrottledLink(constant(0.0005))  # 0.5 Mbit/s: level 1 chunk (~2 KB) ~0.03 s
     res = make_loader(store, slow_codec, model.recompute, policy=1, link=link, slo_s=None).load(tokens)
     ds = res.decisions
     # chunk i+1 was being fetched while chunk i was decoding
-    overlaps = sum(1 for a, b in zip(ds, ds[1:]) if b.fetch_start < a.decode_end and b.fetch_end > a.decode_start)
+    overlaps = sum(1 for a, b in itertools.pairwise(ds) if b.fetch_start < a.decode_end and b.fetch_end > a.decode_start)
     assert overlaps >= 4
     # and nothing decoded before it arrived
     assert all(d.decode_start >= d.fetch_end for d in ds)
@@ -169,7 +176,7 @@ def test_pipeline_overlaps_fetch_and_decode(setup):
 def test_adaptive_meets_deadline_and_reacts_to_drop(setup):
     """In virtual time (a 0.12 s deadline is too tight for a busy machine's thread scheduling): the
     loader itself, with decode (2 ms a chunk) and recompute (1 ms a token) taking virtual time."""
-    _, _, store, tokens, kv = setup
+    _, _, store, tokens, _kv = setup
     clock = VirtualClock()
     codec = ToyCodec(delay_s_per_mvalue=0.002 / (2 * 2 * 2 * CHUNK * 8 / 1e6), sleep=clock.sleep)
     model = ToyModel(s_per_token=1e-3, sleep=clock.sleep)
@@ -193,7 +200,7 @@ def test_adaptive_meets_deadline_and_reacts_to_drop(setup):
 
 
 def test_rule_policy_equal_share(setup):
-    model, codec, store, tokens, kv = setup
+    model, codec, store, tokens, _kv = setup
     clock = VirtualClock()  # a 70 ms deadline: in virtual time, so a busy machine cannot miss it
     link = ThrottledLink(constant(0.002), clock=clock, sleep=clock.sleep)  # 2 Mbps
     est = ThroughputEstimator(prior_gbps=0.002, min_bytes=0)
@@ -207,7 +214,7 @@ def test_rule_policy_equal_share(setup):
 
 
 def test_result_json(setup):
-    model, codec, store, tokens, kv = setup
+    model, codec, store, tokens, _kv = setup
     res = make_loader(store, codec, model.recompute, policy=1).load(tokens)
     d = res.to_json()
     assert d["cached_tokens"] == N_TOKENS and len(d["decisions"]) == 7
@@ -238,7 +245,7 @@ def test_real_codec_through_local_store(tmp_path):
 
 
 def test_cold_estimator_probes_then_persists_across_loads(setup):
-    model, codec, store, tokens, kv = setup
+    model, codec, store, tokens, _kv = setup
     est = ThroughputEstimator(min_bytes=0)  # no prior: cold
     loader = make_loader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
                              slo_s=5.0, costs=CostModel(fetch_latency_s=0.0))
@@ -252,7 +259,7 @@ def test_cold_estimator_probes_then_persists_across_loads(setup):
 
 
 def test_rule_after_text_probes_in_loader(setup):
-    model, codec, store, tokens, kv = setup
+    model, codec, store, tokens, _kv = setup
     est = ThroughputEstimator(prior_gbps=1e-6, min_bytes=0)  # believed far too slow: text first
     res = make_loader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
                           policy="rule", slo_s=1.0, costs=CostModel(fetch_latency_s=0.0)).load(tokens)

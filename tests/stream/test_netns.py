@@ -11,10 +11,10 @@ pytestmark = [pytest.mark.redis, pytest.mark.skipif(not ok, reason=f"netns link 
 
 
 def test_netns_redis_rate_and_loader(tmp_path):
+    from cachegen.bench.netns import NetnsLink, NetnsRedis
     from cachegen.store import ContextStore, Namespace, open_backend
     from cachegen.stream import LoaderOptions, StreamingLoader, step
     from stream.fakes import ToyCodec, ToyModel
-    from cachegen.bench.netns import NetnsLink, NetnsRedis
 
     with NetnsRedis(gbps=1.0, port=6397) as n:
         model, codec = ToyModel(heads=4, head_dim=64), ToyCodec()
@@ -36,8 +36,8 @@ def test_netns_shapes_both_ways_and_cleans_up():
 
     import redis
 
-    from cachegen.errors import ConfigError
     from cachegen.bench.netns import NetnsRedis
+    from cachegen.errors import ConfigError
 
     data = os.urandom(1_500_000)
     with NetnsRedis(gbps=10.0, port=6398) as n:

@@ -1,11 +1,22 @@
 import math
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
-from cachegen.stream.planner import (PipelineState, PlanChunk, chunk_costs, choose_adaptive, choose_rule, lift, simulate,
-                                     cheapest_tail, tail_at, with_recency_boost)
+from cachegen.stream.planner import (
+    PipelineState,
+    PlanChunk,
+    cheapest_tail,
+    choose_adaptive,
+    choose_rule,
+    chunk_costs,
+    lift,
+    simulate,
+    tail_at,
+    with_recency_boost,
+)
 
 COSTS = CostModel(decode_s_per_mvalue={}, decode_s_per_mvalue_default=0.002, decode_fixed_s=0.001,
                   recompute_fixed_s=0.01, recompute_s_per_token=1e-3, recompute_s_per_token_ctx=1e-7,
@@ -81,7 +92,7 @@ def test_rule_equal_share():
     c = chunks(n=1)[0]
     assert choose_rule(c, 1.0, 10.0, COSTS) == 1
     assert choose_rule(c, 0.0, 10.0, COSTS) == TEXT
-    n4, c4 = chunk_costs(c, 4, 1.0, COSTS)
+    n4, _c4 = chunk_costs(c, 4, 1.0, COSTS)
     assert choose_rule(c, n4 + 1e-6, 1.0, COSTS) == 4
 
 

@@ -87,7 +87,7 @@ class NetnsRedis:
     def url(self) -> str:
         return f"redis://{self.ns_ip}:{self.port}/0?timeout=5"
 
-    def start(self) -> "NetnsRedis":
+    def start(self) -> NetnsRedis:
         self.subnet = self._free_subnet()
         _run("ip", "netns", "add", self.ns)
         self.started = True
@@ -111,7 +111,7 @@ class NetnsRedis:
                     break
                 except OSError:
                     if time.time() > deadline:
-                        raise StoreUnavailable("redis-server in the namespace did not come up")
+                        raise StoreUnavailable("redis-server in the namespace did not come up") from None
                     time.sleep(0.05)
         except BaseException:
             self.close()
@@ -139,7 +139,7 @@ class NetnsRedis:
             self.started = False
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def __enter__(self) -> "NetnsRedis":
+    def __enter__(self) -> NetnsRedis:
         return self.start()
 
     def __exit__(self, *exc) -> None:

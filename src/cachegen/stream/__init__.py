@@ -14,8 +14,16 @@ link and a runner (:mod:`cachegen.stream.pipeline`) passed in. Links:
 
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
-from cachegen.stream.link import (DirectLink, ThrottledLink, Trace, constant, load_trace_file, make_trace,
-                                  random_trace, step)
+from cachegen.stream.link import (
+    DirectLink,
+    ThrottledLink,
+    Trace,
+    constant,
+    load_trace_file,
+    make_trace,
+    random_trace,
+    step,
+)
 from cachegen.stream.loader import ADAPTIVE, RULE, ChunkDecision, LoaderOptions, LoadResult, StreamingLoader
 from cachegen.stream.pipeline import ThreadedRunner, VirtualClock, VirtualRunner
 from cachegen.stream.planner import PipelineState, PlanChunk, choose_adaptive, choose_rule, decide, simulate

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from cachegen import paths
 from cachegen.errors import ConfigError
@@ -64,7 +64,7 @@ class CostModel:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "CostModel":
+    def from_json(cls, d: dict) -> CostModel:
         d = dict(d)
         d["decode_s_per_mvalue"] = {int(k): float(v) for k, v in d.get("decode_s_per_mvalue", {}).items()}
         known = {f for f in cls.__dataclass_fields__}
@@ -78,7 +78,7 @@ class CostModel:
         tmp.replace(p)
 
     @classmethod
-    def load(cls, path: str | Path) -> "CostModel":
+    def load(cls, path: str | Path) -> CostModel:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
@@ -112,7 +112,7 @@ def calibrate_decode(codec, sample: KVCache, levels: Sequence[int], repeats: int
     for level in levels:
         blob = codec.encode(sample, level)
         codec.decode(blob)  # warm-up (JIT, caches)
-        t = best_time(lambda: codec.decode(blob), repeats)
+        t = best_time(lambda blob=blob: codec.decode(blob), repeats)
         cm.decode_s_per_mvalue[int(level)] = max(t - cm.decode_fixed_s, 0.0) / mv * DECODE_HEADROOM
     # joining chunks: a copy of the whole context, slower in the loader than alone (cold caches,
     # allocation); the slowest of a few joins of 8 chunks, divided by STITCH_HEADROOM (measured in

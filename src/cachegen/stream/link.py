@@ -17,9 +17,9 @@ import random
 import threading
 import time
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from cachegen.errors import ConfigError
 

@@ -18,14 +18,14 @@ whenever it finishes the chunk sooner than fetching the chosen level.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence, Union
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from cachegen.stream.costs import TEXT, CostModel
 
-Choice = Union[int, str]  # a level, or TEXT
+Choice = int | str  # a level, or TEXT
 
 # Finish-time quantile of risk planning when it is asked for (``risk_quantile`` of the loader; off
 # by default). On the uniform 0.1-10 Gbps random trace with an 8-chunk prefetch queue it did not beat
@@ -280,7 +280,7 @@ def smallest_level(chunk: PlanChunk, allowed: Sequence[int] | None = None) -> in
     return min(lv, key=lambda l: (chunk.sizes[l], -l)) if lv else None
 
 
-def decide(policy: Union[str, int], remaining: Sequence[PlanChunk], costs: CostModel, *, time_left_s: float | None,
+def decide(policy: str | int, remaining: Sequence[PlanChunk], costs: CostModel, *, time_left_s: float | None,
            cpu_busy_s: float, est_gbps: float, last_gbps: float, tail_gbps: float, known: bool,
            history_s_per_bit: Sequence[float] | None = None, risk_quantile: float = RISK_QUANTILE,
            share_s: float | None = None, prev: Choice | None = None, allowed: Sequence[int] | None = None,
@@ -313,7 +313,7 @@ def decide(policy: Union[str, int], remaining: Sequence[PlanChunk], costs: CostM
         return choose_rule(ch, share_s if share_s is not None else 0.0, last_gbps, costs, allowed)
     st = PipelineState(time_left_s=time_left_s, cpu_busy_s=cpu_busy_s)
     if not known:  # cold start: the probe, unless recomputing this chunk ends it sooner
-        n, c = _step(0.0, cpu_busy_s, ch, probe, est_gbps, costs)
+        _n, c = _step(0.0, cpu_busy_s, ch, probe, est_gbps, costs)
         _, ct = _step(0.0, cpu_busy_s, ch, TEXT, est_gbps, costs)
         return TEXT if ct < c and ch.start == 0 else probe
     futures = None
