@@ -21,7 +21,7 @@ from cachegen.store.backend import Backend
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<userinfo>[^@/\s]*)@", re.I)
+_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<userinfo>[^/\s]*)@", re.I)  # to the last @: a raw @ in a password
 _SECRET_PARAM = re.compile(r"(?P<name>(?:password|passwd|pass|token|secret|api[_-]?key)=)[^&\s'\"]*", re.I)
 
 
