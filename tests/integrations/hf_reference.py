@@ -16,7 +16,8 @@ from cachegen.engine.prefill import prefill
 
 
 def main(model: str, ids_path: str, out: str) -> None:
-    ids = json.loads(open(ids_path).read())
+    with open(ids_path) as f:
+        ids = json.load(f)
     lm = load_model(model, progress=False)
     # bf16 weights, but RoPE's inverse frequencies stay fp32, as in vLLM: ``.to(bf16)`` casts that
     # buffer too, and the keys' fast-rotating dims then drift with position (relative error 0.6

@@ -61,14 +61,16 @@ def test_deleted_chunk_is_recomputed_and_stored_again(baseline, connector_run):
 
 def test_second_process_hits_the_store_at_the_strict_level(baseline, strict_run):
     run = strict_run["runs"]["strict"]
-    assert run["stats"]["scheduler"]["matched_tokens"] >= LOADABLE  # computed by the other process
-    assert run["stats"]["worker"]["loaded_tokens"] >= LOADABLE
+    want = baseline["runs"]["main"]["tokens"]
+    # one request per continuation position, each loading the context the other process computed
+    assert run["stats"]["scheduler"]["matched_tokens"] >= NEW_TOKENS * LOADABLE
+    assert run["stats"]["worker"]["loaded_tokens"] >= NEW_TOKENS * LOADABLE
     assert run["stats"]["worker"]["load_error_blocks"] == 0
-    ranks = run["ranks"]
-    assert len(ranks) == NEW_TOKENS
-    agreement = sum(r == 1 for r in ranks) / len(ranks)
-    assert agreement >= 0.97, f"top-1 agreement {agreement:.3f} at the strict level (ranks {ranks})"
-    # the same teacher-forced check on plain vLLM: the measure itself agrees with greedy decoding
+    top1 = run["top1"]
+    assert len(top1) == NEW_TOKENS
+    agreement = sum(a == b for a, b in zip(top1, want)) / NEW_TOKENS
+    assert agreement >= 0.97, f"top-1 agreement {agreement:.3f} at the strict level"
+    # plain vLLM teacher-forced on its own greedy tokens agrees with them: the measure is sound
     assert sum(r == 1 for r in baseline["runs"]["main"]["ranks"]) / NEW_TOKENS >= 0.97
 
 

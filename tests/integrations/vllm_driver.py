@@ -10,8 +10,9 @@ Modes (``spec["mode"]``):
   request (stores), a warm one (loads), then the same prompt with one stored chunk
   corrupted and with one deleted; the lossless chunks of the cold request, decoded, go to
   ``spec["kv_out"]`` for the layout check.
-* ``strict``: a second engine on the same store loading at the strict level: the
-  prompt-logprob ranks of ``prompt + baseline continuation``.
+* ``strict``: a second engine on the same store loading at the strict level: the greedy
+  next token after the context + the baseline's first ``j`` tokens, for every ``j`` (teacher
+  forcing).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def _worker():
 
 
 def main(spec_path: str, out_path: str) -> None:
-    spec = json.loads(open(spec_path).read())
+    with open(spec_path) as f:
+        spec = json.load(f)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine and worker in this process
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # the strict run batches 64 prompts
     from vllm import LLM, SamplingParams
 
     from cachegen.integrations.vllm import kv_transfer_config
@@ -65,7 +67,7 @@ def main(spec_path: str, out_path: str) -> None:
     out: dict = {"mode": mode, "startup_s": time.perf_counter() - t, "runs": {}}
     n_new = spec["new_tokens"]
     greedy = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
-    ranks_sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, skip_reading_prefix_cache=False)
+    ranks_sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)  # plain vLLM only
 
     def gen(ids):
         t = time.perf_counter()
@@ -108,8 +110,15 @@ def main(spec_path: str, out_path: str) -> None:
         out["namespace"] = store.namespace.model_fingerprint
         out["chunk_keys"] = [r.key for r in refs]
     elif mode == "strict":
+        # teacher forcing by one request per position (vLLM 0.32's prompt logprobs of a request
+        # whose prefix a connector loaded are unset rows): the greedy next token after
+        # context + the baseline's first j tokens, for every j, in one batch
         ids, cont = prompts["main"], spec["continuation"]
-        out["runs"]["strict"] = {"ranks": ranks(ids, cont), "stats": _both()}
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+        t = time.perf_counter()
+        rs = llm.generate([{"prompt_token_ids": ids + cont[:j]} for j in range(len(cont))], one, use_tqdm=False)
+        out["runs"]["strict"] = {"top1": [int(r.outputs[0].token_ids[0]) for r in rs], "s": time.perf_counter() - t,
+                                 "stats": _both()}
     else:
         raise SystemExit(f"unknown mode {mode}")
     with open(out_path, "w") as f:

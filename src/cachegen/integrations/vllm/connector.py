@@ -44,11 +44,10 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from cachegen.errors import CachegenError, ConfigError
 from cachegen.integrations.vllm.layout import PagedLayout
@@ -56,14 +55,15 @@ from cachegen.kv import KVCache, KVLayer
 from cachegen.store.url import redact
 
 if TYPE_CHECKING:
-    from cachegen.integrations.vllm.setup import StoreSetup
-    from cachegen.stream import StreamingLoader
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from cachegen.integrations.vllm.setup import StoreSetup
+    from cachegen.stream import StreamingLoader
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +163,9 @@ def _cpu_write_kernel(dtype: torch.dtype, block_size: int, head_dim: int, kv_cac
 class CacheGenConnector(KVConnectorBase_V1):
     """A vLLM KV connector over a cachegen store (see the module docstring)."""
 
-    _live: "weakref.WeakSet[CacheGenConnector]" = weakref.WeakSet()
+    _live: ClassVar[weakref.WeakSet[CacheGenConnector]] = weakref.WeakSet()
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         mc = vllm_config.model_config
@@ -184,7 +184,7 @@ class CacheGenConnector(KVConnectorBase_V1):
                         "set it to 'recompute' so vLLM recomputes it",
                         self._kv_transfer_config.kv_load_failure_policy)
         self.dtype: torch.dtype = mc.dtype
-        self.setup: "StoreSetup" = open_setup(mc.model, self.dtype, self.config)
+        self.setup: StoreSetup = open_setup(mc.model, self.dtype, self.config)
         hf = mc.hf_text_config
         self.num_layers = int(hf.num_hidden_layers)
         self.num_kv_heads = int(mc.get_num_kv_heads(vllm_config.parallel_config))
@@ -214,14 +214,14 @@ class CacheGenConnector(KVConnectorBase_V1):
                  self.config.chunk_tokens, list(self.setup.levels), self.config.policy, self.config.slo_s)
 
     @classmethod
-    def instances(cls, role: KVConnectorRole | None = None) -> list["CacheGenConnector"]:
+    def instances(cls, role: KVConnectorRole | None = None) -> list[CacheGenConnector]:
         """The live connectors of this process (tests and benchmarks read their counters)."""
         return [c for c in list(cls._live) if role is None or c.role == role]
 
     # ==================================================================================
     # scheduler side
     # ==================================================================================
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         tokens = list(request.prompt_token_ids or [])
         n = self.config.chunk_tokens
         full = len(tokens) // n * n  # whole chunks of the prompt (the ones worth storing)
@@ -247,7 +247,7 @@ class CacheGenConnector(KVConnectorBase_V1):
         ext = st.matched - num_computed_tokens
         return (ext, False) if ext > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None or num_external_tokens <= 0:
             return
@@ -256,7 +256,7 @@ class CacheGenConnector(KVConnectorBase_V1):
         self._pending_loads.add(request.request_id)
         self.stats.matched_tokens += num_external_tokens
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = CacheGenMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -307,7 +307,7 @@ class CacheGenConnector(KVConnectorBase_V1):
                 continue
             meta.saves.append(SaveSpec(req_id, st.tokens[:b], st.block_ids[a // bs : b // bs], a, b))
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
         self._pending_loads.discard(request.request_id)
         return False, None  # the saver copies blocks out in the step itself: they may be freed now
@@ -332,7 +332,7 @@ class CacheGenConnector(KVConnectorBase_V1):
             self._layout.check(layer)
         log.info("CacheGenConnector: %d layers %s, %s kernel, layout probed", len(names), tuple(first.shape), isa)
 
-    def _make_loader(self) -> "StreamingLoader":
+    def _make_loader(self) -> StreamingLoader:
         from cachegen.stream import LoaderOptions, StreamingLoader, ThroughputEstimator
 
         s = self.setup
@@ -362,7 +362,7 @@ class CacheGenConnector(KVConnectorBase_V1):
             good = d.end
         return res.kv, min(good, res.kv.end if res.kv is not None else 0), list(res.faults)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         self._failed_reqs.clear()
         if not isinstance(meta, CacheGenMetadata):
@@ -376,7 +376,7 @@ class CacheGenConnector(KVConnectorBase_V1):
         kv, good, faults = None, 0, []
         try:
             kv, good, faults = self._load_prefix(spec.tokens)
-        except Exception as e:  # noqa: BLE001 - any failure of the load: vLLM recomputes, the request goes on
+        except Exception as e:  # any failure of the load: vLLM recomputes, the request goes on
             faults = [redact(f"load: {type(e).__name__}: {e}")]
             log.warning("cachegen load failed, vLLM recomputes: %s", faults[0])
         good = min(good, spec.end)
@@ -386,7 +386,7 @@ class CacheGenConnector(KVConnectorBase_V1):
                 part = kv.slice(spec.start, good)
                 self._layout.write(self._layers, spec.block_ids[spec.start // bs : good // bs], part)
                 written = good - spec.start
-            except Exception as e:  # noqa: BLE001 - a layout or shape mismatch: recompute all of it
+            except Exception as e:  # a layout or shape mismatch: recompute all of it
                 faults.append(redact(f"scatter: {type(e).__name__}: {e}"))
                 log.warning("cachegen could not write the loaded KV, vLLM recomputes: %s", faults[-1])
                 good = spec.start
@@ -438,7 +438,7 @@ class CacheGenConnector(KVConnectorBase_V1):
                 refs = self.setup.save_store().put_context(tokens, kv, self.setup.levels)
                 with self._lock:
                     self.stats.chunks_saved += len(refs)
-            except Exception as e:  # noqa: BLE001 - a failed save is a later miss, never a failed request
+            except Exception as e:  # a failed save is a later miss, never a failed request
                 with self._lock:
                     self.stats.save_errors += 1
                 log.warning("cachegen save failed: %s", redact(f"{type(e).__name__}: {e}"))

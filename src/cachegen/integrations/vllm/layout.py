@@ -13,8 +13,8 @@ passed in by the connector.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -46,7 +46,7 @@ class PagedLayout:
 
     @classmethod
     def probe(cls, write: WriteKernel, block_size: int, num_kv_heads: int, head_dim: int,
-              dtype: torch.dtype = torch.bfloat16) -> "PagedLayout":
+              dtype: torch.dtype = torch.bfloat16) -> PagedLayout:
         """Learn the layout from the engine's write kernel (one scratch block, two writes)."""
         if block_size > _EXACT or head_dim > _EXACT:
             raise ConfigError(f"cannot probe a KV layout with block size {block_size} or head size {head_dim} > {_EXACT}")

@@ -47,7 +47,7 @@ class ConnectorConfig:
     KEYS = ("store", "levels", "policy", "slo_s", "chunk_tokens", "lookup_timeout_s", "save_queue")
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> "ConnectorConfig":
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
         unknown = sorted(set(extra) - set(cls.KEYS))
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}: use {', '.join(cls.KEYS)}")
@@ -94,7 +94,7 @@ def load_profile(model_dir: str | Path, fingerprint: str) -> codec_mod.Profile:
     except FileNotFoundError:
         raise ConfigError(f"no cachegen codec profile for the model in {model_dir} yet; make it once with "
                           f"cachegen's own environment: python -m cachegen.integrations.vllm.prepare {model_dir}") from None
-    except Exception as e:  # noqa: BLE001 - a damaged profile: the same fix
+    except Exception as e:  # a damaged profile, whatever is wrong with it: the same fix
         raise ConfigError(f"the cachegen profile {p} is unreadable ({e}); remake it with "
                           f"python -m cachegen.integrations.vllm.prepare {model_dir}") from None
     if prof.model_fingerprint != fingerprint:
