@@ -62,7 +62,7 @@ bench: setup
 # the chunk decoder under 1,000,000 structured mutations (counts per outcome; several minutes)
 FUZZ_CASES ?= 1000000
 fuzz:  # after `make setup`
-	$(BIN)/python -m cachegen.bench.fuzz --cases $(FUZZ_CASES)
+	$(BIN)/python -m cachegen.bench.fuzz --cases $(FUZZ_CASES) --jobs 2
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache
