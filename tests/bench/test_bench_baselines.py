@@ -198,9 +198,21 @@ def test_decode_rejects_bad_bytes():
     with pytest.raises(CorruptChunk):  # another codec's chunk
         B.UniformCodec(8).decode(B.UniformCodec(4).encode(kv))
     data = bytearray(B.CacheGenReleasedCodec().encode(kv, 2))
-    data[6 + len(b"cachegen-released")] = 9  # the level byte: no such level
+    data[6 + len(b"cachegen-released") + 16] = 9  # the level byte (after the key digest): no such level
     with pytest.raises(CorruptChunk):
         B.CacheGenReleasedCodec().decode(bytes(data))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_chunks_are_bound_to_their_keys(name):
+    from cachegen.errors import KeyMismatch
+
+    codec = B.baseline(name)
+    kv = _kv(tokens=20)
+    data = codec.encode(kv, codec.levels[-1], key="ab" * 16)
+    assert codec.decode(data, key="ab" * 16).num_tokens == 20 and codec.decode(data).num_tokens == 20
+    with pytest.raises(KeyMismatch):
+        codec.decode(data, key="cd" * 16)
 
 
 def test_registry_and_names():

@@ -1,7 +1,9 @@
 """The baselines' common chunk format: a tiny binary header, then raw numpy buffers (nothing pickled).
 
-``b"CGBL" | u8 version | u8 name_len | name | u8 level (255: none) | u32 start | u16 layers |``
-per layer ``u8 kind | u32 window | u16 heads | u32 tokens | u16 k_dim | u16 v_dim``. Reads go
+``b"CGBL" | u8 version | u8 name_len | name | 16-byte key digest | u8 level (255: none) | u32 start | u16 layers |``
+per layer ``u8 kind | u32 window | u16 heads | u32 tokens | u16 k_dim | u16 v_dim``. The key digest
+(:func:`cachegen.codec.container.key_digest`, version 2) binds a chunk to its store key as the
+project codec's does: ``decode(data, key=K)`` raises KeyMismatch for another key's chunk. Reads go
 through :class:`cachegen.codec.container.Reader` (the one bounds-checked reader).
 """
 
@@ -13,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cachegen.codec.container import Reader
-from cachegen.errors import ConfigError, CorruptChunk
+from cachegen.codec.container import DIGEST_SIZE, Reader, key_digest
+from cachegen.errors import ConfigError, CorruptChunk, KeyMismatch
 from cachegen.kv import KVCache, KVLayer, LayerKind
 
 MAGIC = b"CGBL"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: + the chunk key's digest
 CHUNK_TOKENS = 256
 
 _KINDS = {LayerKind.FULL: 0, LayerKind.SLIDING: 1}
@@ -55,11 +57,12 @@ class _LayerShape:
     dv: int
 
 
-def _write_header(w: _Writer, name: str, level: int | None, kv: KVCache) -> list[_LayerShape]:
+def _write_header(w: _Writer, name: str, level: int | None, kv: KVCache, key: str | None = None) -> list[_LayerShape]:
     nb = name.encode()
     w.raw(MAGIC)
     w.pack("BB", FORMAT_VERSION, len(nb))
     w.raw(nb)
+    w.raw(key_digest(key))
     w.pack("BIH", 255 if level is None else level, kv.start, kv.num_layers)
     shapes = []
     for l in kv.layers:
@@ -70,7 +73,7 @@ def _write_header(w: _Writer, name: str, level: int | None, kv: KVCache) -> list
     return shapes
 
 
-def _read_header(r: Reader, name: str) -> tuple[int | None, int, list[_LayerShape]]:
+def _read_header(r: Reader, name: str, key: str | None = None) -> tuple[int | None, int, list[_LayerShape]]:
     if bytes(r.take(4)) != MAGIC:
         raise CorruptChunk("bad magic")
     version, n = r.unpack("BB")
@@ -79,6 +82,9 @@ def _read_header(r: Reader, name: str) -> tuple[int | None, int, list[_LayerShap
     got = bytes(r.take(n)).decode(errors="replace")
     if got != name:
         raise CorruptChunk(f"these bytes were written by codec {got!r}, not {name!r}")
+    digest = bytes(r.take(DIGEST_SIZE))
+    if key is not None and digest != key_digest(key):
+        raise KeyMismatch("chunk was written for another key (a foreign or swapped chunk)")
     level, start, nl = r.unpack("BIH")
     shapes = []
     for _ in range(nl):
@@ -98,7 +104,7 @@ def _check_level(codec, level: int) -> None:
 
 def header_size(name: str, num_layers: int) -> int:
     """Bytes of the common header (for size-accounting tests)."""
-    return 4 + 2 + len(name.encode()) + struct.calcsize("<BIH") + num_layers * struct.calcsize("<BIHIHH")
+    return 4 + 2 + len(name.encode()) + DIGEST_SIZE + struct.calcsize("<BIH") + num_layers * struct.calcsize("<BIHIHH")
 
 
 def _np32(t: torch.Tensor) -> np.ndarray:
@@ -106,6 +112,8 @@ def _np32(t: torch.Tensor) -> np.ndarray:
 
 
 def _build(shapes: list[_LayerShape], start: int, ks: list[np.ndarray], vs: list[np.ndarray]) -> KVCache:
+    if not all(np.isfinite(a).all() for a in (*ks, *vs)):
+        raise CorruptChunk("non-finite values")
     layers = [
         KVLayer(torch.from_numpy(np.ascontiguousarray(k, dtype=np.float32)),
                 torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)), s.kind, s.window)

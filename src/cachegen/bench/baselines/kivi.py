@@ -65,7 +65,7 @@ class KiviCodec:
     def encode(self, kv: KVCache, level: int = 0, *, key: str | None = None) -> bytes:
         _check_level(self, level)
         w = _Writer()
-        _write_header(w, self.name, None, kv)
+        _write_header(w, self.name, None, kv, key)
         for l in kv.layers:
             for t, enc in ((l.k, self._enc_k), (l.v, self._enc_v)):
                 q, lo, step = enc(_np32(t))
@@ -76,7 +76,7 @@ class KiviCodec:
 
     def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
         r = Reader(memoryview(data), f"{self.name} chunk")
-        _, start, shapes = _read_header(r, self.name)
+        _, start, shapes = _read_header(r, self.name, key)
         ks, vs = [], []
         g = self.group
         for s in shapes:

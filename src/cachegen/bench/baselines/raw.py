@@ -31,7 +31,7 @@ class RawCodec:
     def encode(self, kv: KVCache, level: int = 0, *, key: str | None = None) -> bytes:
         _check_level(self, level)
         w = _Writer()
-        _write_header(w, self.name, None, kv)
+        _write_header(w, self.name, None, kv, key)
         for l in kv.layers:
             for t in (l.k, l.v):
                 # bf16 has no numpy dtype: ship its bit pattern as int16
@@ -40,7 +40,7 @@ class RawCodec:
 
     def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
         r = Reader(memoryview(data), f"{self.name} chunk")
-        _, start, shapes = _read_header(r, self.name)
+        _, start, shapes = _read_header(r, self.name, key)
         ks, vs = [], []
         for s in shapes:
             for d, out in ((s.dk, ks), (s.dv, vs)):

@@ -147,7 +147,7 @@ class CacheGenReleasedCodec:
         if level not in RELEASED_LEVELS:
             raise ConfigError(f"cachegen-released level must be 1, 2 or 3, not {level!r}")
         w = _Writer()
-        _write_header(w, self.name, level, kv)
+        _write_header(w, self.name, level, kv, key)
         for part in kv.chunks(self.chunk_tokens) if kv.num_tokens else []:
             for i, l in enumerate(part.layers):
                 for is_key, t in ((True, l.k), (False, l.v)):
@@ -164,7 +164,7 @@ class CacheGenReleasedCodec:
 
     def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
         r = Reader(memoryview(data), f"{self.name} chunk")
-        level, start, shapes = _read_header(r, self.name)
+        level, start, shapes = _read_header(r, self.name, key)
         if level not in RELEASED_LEVELS:
             raise CorruptChunk(f"cachegen-released chunk of unknown level {level}")
         ks: list[list[np.ndarray]] = [[] for _ in shapes]

@@ -36,7 +36,7 @@ class UniformCodec:
     def encode(self, kv: KVCache, level: int = 0, *, key: str | None = None) -> bytes:
         _check_level(self, level)
         w = _Writer()
-        _write_header(w, self.name, None, kv)
+        _write_header(w, self.name, None, kv, key)
         for l in kv.layers:
             for t in (l.k, l.v):
                 q, lo, step = _quant_minmax(_np32(t), axis=1, bits=self.bits)  # over tokens
@@ -47,7 +47,7 @@ class UniformCodec:
 
     def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
         r = Reader(memoryview(data), f"{self.name} chunk")
-        _, start, shapes = _read_header(r, self.name)
+        _, start, shapes = _read_header(r, self.name, key)
         ks, vs = [], []
         for s in shapes:
             for d, out in ((s.dk, ks), (s.dv, vs)):
