@@ -137,6 +137,7 @@ def run_all(
     ttft_dtype: str = "bfloat16",
     stream: bool = True,
     serve: bool = True,
+    vllm: bool = True,
 ) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -200,6 +201,14 @@ def run_all(
         t = time.perf_counter()
         md += serve_section(model, out, quick)
         timings["serve"] = time.perf_counter() - t
+
+    if vllm:  # in the vLLM environment (make vllm-setup); skipped with a note without it
+        from cachegen.bench.vllm_bench import section as vllm_section
+
+        log.info("== vllm")
+        t = time.perf_counter()
+        md += vllm_section(model, out, quick)
+        timings["vllm"] = time.perf_counter() - t
 
     if codec_bench:
         log.info("== codec")

@@ -100,6 +100,21 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['method']:<24} {r['store']:<22} {r['ttft_s']:>8.3f} {vs:>8} {size:>12} {vs_ex:>10}")
 
 
+def section(model: str, out: Path, quick: bool) -> list[str]:
+    """The vLLM part of ``cachegen bench all`` (skipped without the vLLM environment)."""
+    from cachegen.bench.plots import table
+
+    if not default_vllm_python().exists():
+        return ["## vLLM KV connector", "", "Skipped: no vLLM environment (`make vllm-setup`).", ""]
+    n, runs = (1024, 1) if quick else (2048, 3)
+    rows = run_vllm_bench(model, n, json_path=str(Path(out) / "vllm.json"), runs=runs)
+    return ["## vLLM KV connector", "",
+            f"`cachegen bench vllm --context-tokens {n}`: {n} context tokens + a question, one fresh vLLM engine "
+            f"per method (prefix caching off), `ttft_s` the median of {runs} warm `max_tokens=1` requests after "
+            "a cold one; `stored_bytes` what the connector stored for the context.", "",
+            table(rows, COLS, markdown=True), ""]
+
+
 def register(sub) -> None:
     """Add the ``vllm`` subcommand to the ``bench`` subparsers."""
     p = sub.add_parser("vllm", help="warm TTFT and stored bytes: vLLM, vLLM's example connector, cachegen's connector")
