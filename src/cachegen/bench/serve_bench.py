@@ -12,7 +12,9 @@ round waits for its last answer too). One row per mode:
   analogue of a serving engine's automatic prefix cache;
 * ``cachegen-local``: the cachegen codec in the file store;
 * ``cachegen-redis-1gbps`` / ``cachegen-redis-100mbps``: a real redis-server
-  behind an emulated link (``link`` in the row says which emulation).
+  behind an emulated link: a tbf-shaped veth pair into a network namespace
+  when this machine allows it, else the in-process ThrottledLink (``link`` in
+  the row says which).
 
 Time to first token is measured by the client: request sent to first content.
 """
@@ -118,6 +120,35 @@ def redis_server() -> Iterator[str]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+@contextmanager
+def redis_link(gbps: float, prefer_netns: bool = True) -> Iterator[tuple[str, object, str]]:
+    """(store URL, loader link or None, what the row says) for a redis-server behind a ``gbps`` link.
+
+    A real shaped link (:mod:`cachegen.bench.netns`: a network namespace, a veth pair with tbf) when
+    this machine allows it (root, ``ip``, ``tc``); otherwise a local redis-server behind the
+    in-process :class:`~cachegen.stream.ThrottledLink`."""
+    from cachegen.errors import CachegenError
+    from cachegen.stream import ThrottledLink, constant
+
+    nr = None
+    if prefer_netns:
+        from cachegen.bench.netns import NetnsRedis
+
+        try:
+            nr = NetnsRedis(gbps).start()
+        except (CachegenError, OSError) as e:
+            log.info("netns link unavailable (%s): using an in-process ThrottledLink", e)
+            nr = None
+    if nr is not None:
+        try:
+            yield nr.url, None, f"netns veth+tbf {gbps:g} Gbit/s"
+        finally:
+            nr.close()
+        return
+    with redis_server() as url:
+        yield url, ThrottledLink(constant(gbps)), f"in-process ThrottledLink {gbps:g} Gbit/s (no netns)"
+
+
 def conversations(tokenizer, w: Workload) -> tuple[str, list[str]]:
     """The shared system prompt and one private document per user, of real text."""
     from cachegen import corpus
@@ -187,12 +218,11 @@ def summarize(mode: str, reqs: list[dict], wall_s: float, link: str) -> dict:
             "errors": len(reqs) - len(ok), "link": link, "wall_s": wall_s}
 
 
-def _engine_for(mode: str, base, tmp: Path, redis_url: str | None, chunk_tokens: int, ram_bytes: int):
+def _engine_for(mode: str, base, tmp: Path, redis: tuple | None, chunk_tokens: int, ram_bytes: int):
     """An Engine sharing ``base``'s model and codec, over the store ``mode`` uses; and its link's name."""
     from cachegen.bench.baselines.raw import RawCodec
     from cachegen.engine.engine import Engine
     from cachegen.store import ContextStore, Namespace, open_backend
-    from cachegen.stream import ThrottledLink, constant
 
     ns = base.store.namespace
     link, link_name = None, "none"
@@ -205,13 +235,11 @@ def _engine_for(mode: str, base, tmp: Path, redis_url: str | None, chunk_tokens:
         eng = Engine(base.lm, store, raw, base.costs())
         link_name = "ram (tmpfs)"
     else:
-        url = f"file://{tmp / mode}" if redis_url is None else redis_url
+        url = f"file://{tmp / mode}" if redis is None else redis[0]
         store = ContextStore(open_backend(url), ns, base.codec, chunk_tokens, levels=base.store.levels)
         eng = Engine(base.lm, store, base.codec, base.costs())
-        if mode.endswith("gbps") or mode.endswith("mbps"):
-            gbps = 1.0 if mode.endswith("1gbps") else 0.1
-            link = ThrottledLink(constant(gbps))
-            link_name = f"redis on 127.0.0.1 behind an in-process ThrottledLink at {gbps:g} Gbit/s"
+        if redis is not None:
+            link, link_name = redis[1], redis[2]
         elif mode == "cachegen-local":
             link_name = "local file store"
     eng.link = link
@@ -220,7 +248,7 @@ def _engine_for(mode: str, base, tmp: Path, redis_url: str | None, chunk_tokens:
 
 def run(model: str = "smollm2-135m", modes: Sequence[str] = MODES, workload: Workload | None = None,
         chunk_tokens: int = 256, slo_s: float | None = 1.0, ram_bytes: int = 2 << 30,
-        plot: str | Path | None = None) -> dict:
+        plot: str | Path | None = None, prefer_netns: bool = True) -> dict:
     """Every mode in turn against a fresh store; returns ``{"rows": [...], "requests": {...}, ...}``."""
     from cachegen.engine.engine import Engine
     from cachegen.serve import ServeConfig
@@ -239,8 +267,9 @@ def run(model: str = "smollm2-135m", modes: Sequence[str] = MODES, workload: Wor
         system, docs = conversations(base.tokenizer, w)
         for mode in modes:
             log.info("== serve bench: %s", mode)
-            with (redis_server() if "redis" in mode else _none()) as redis_url:
-                eng, link_name = _engine_for(mode, base, tmp, redis_url, chunk_tokens, ram_bytes)
+            gbps = 1.0 if mode.endswith("1gbps") else 0.1
+            with (redis_link(gbps, prefer_netns) if "redis" in mode else _none()) as redis:
+                eng, link_name = _engine_for(mode, base, tmp, redis, chunk_tokens, ram_bytes)
                 try:
                     # answers of exactly --answer-tokens tokens: every mode does the same decoding work
                     extra = {"cachegen": {"ignore_eos": True, **({"use_cache": False, "store": False}
@@ -328,6 +357,9 @@ def register(sub) -> None:
                    help="load deadline of the cachegen modes, in seconds (default 1.0)")
     p.add_argument("--ram-bytes", type=pint, default=2 << 30,
                    help="size bound of the ram-prefix cache in bytes (default 2 GiB)")
+    p.add_argument("--link", choices=("netns", "inproc"), default="netns",
+                   help="redis modes: a shaped veth link in a network namespace when possible (default), "
+                        "or the in-process ThrottledLink")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a TTFT bar chart here")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON ('-': stdout, only JSON)")
     p.set_defaults(func=_cmd)
@@ -341,7 +373,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
     w = Workload(args.users, args.rounds, args.system_tokens, args.doc_tokens, args.answer_tokens, args.qps)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    res = run(args.model, modes, w, args.chunk_tokens, args.slo_s, args.ram_bytes, args.plot)
+    res = run(args.model, modes, w, args.chunk_tokens, args.slo_s, args.ram_bytes, args.plot,
+              prefer_netns=args.link == "netns")
     print(table(res["rows"], COLS), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json == "-":
         json.dump(res, sys.stdout, indent=2)
