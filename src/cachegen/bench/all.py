@@ -20,13 +20,14 @@ import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from cachegen.bench.cli import DEFAULT_CODECS, NEEDLE_COLS, QUALITY_COLS, TTFT_COLS, codecs_for, load
 from cachegen.bench.plots import needle_plot, quality_plot, table, ttft_plot
 
 log = logging.getLogger(__name__)
 
-SIZES = {
+SIZES: dict[str, dict[str, Any]] = {
     "full": {"quality": (2048, 256), "needle": (1024, 50), "ttft": 4096, "codec": None, "stream": 4096},
     "quick": {"quality": (512, 64), "needle": (512, 10), "ttft": 1024, "codec": 1024, "stream": 1024},
 }

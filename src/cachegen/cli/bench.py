@@ -176,7 +176,7 @@ def register(subparsers, argv: Sequence[str] | None = None) -> argparse.Argument
     p = sub.add_parser("ttft", help="time to first token against bandwidth, per method")
     _common(p)
     options.context_tokens(p, 4096)
-    options.bandwidth_gbps(p, [0.1, 1.0, 10.0], many=True)
+    options.bandwidths_gbps(p, [0.1, 1.0, 10.0])
     _link(p)
     p.add_argument("--latency-ms", type=float, default=0.0, help="added per chunk fetch, inproc only (default 0)")
     p.add_argument("--repeats", type=checks.positive_int, default=1,

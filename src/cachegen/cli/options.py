@@ -8,6 +8,7 @@ same thing everywhere. Each takes the command's default where they differ.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 from cachegen.cli import checks
 from cachegen.cli.output import add_json
@@ -40,13 +41,15 @@ def levels(p: argparse.ArgumentParser) -> None:
                    help="comma-separated quality levels, 1 (best) to 7 (smallest) (default: all)")
 
 
-def bandwidth_gbps(p: argparse.ArgumentParser, default: float = 0.1, many: bool = False) -> None:
-    if many:
-        p.add_argument("--bandwidth-gbps", type=checks.positive_floats, default=default, metavar="GBPS,...",
-                       help=f"comma-separated link bandwidths in Gbit/s (default {','.join(map(str, default))})")
-    else:
-        p.add_argument("--bandwidth-gbps", type=checks.positive_float, default=default, metavar="GBPS",
-                       help=f"bandwidth of the emulated link in Gbit/s (default {default} = {default * 1000:g} Mbit/s)")
+def bandwidth_gbps(p: argparse.ArgumentParser, default: float = 0.1) -> None:
+    p.add_argument("--bandwidth-gbps", type=checks.positive_float, default=default, metavar="GBPS",
+                   help=f"bandwidth of the emulated link in Gbit/s (default {default} = {default * 1000:g} Mbit/s)")
+
+
+def bandwidths_gbps(p: argparse.ArgumentParser, default: Sequence[float]) -> None:
+    """``--bandwidth-gbps`` for a command that sweeps several bandwidths."""
+    p.add_argument("--bandwidth-gbps", type=checks.positive_floats, default=list(default), metavar="GBPS,...",
+                   help=f"comma-separated link bandwidths in Gbit/s (default {','.join(map(str, default))})")
 
 
 def slo_s(p: argparse.ArgumentParser, default: float | None = 2.0) -> None:

