@@ -28,7 +28,7 @@ import sys
 import time
 import zlib
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -279,7 +279,7 @@ def check_decode(codec: Codec, data: bytes) -> str:
         kv = codec.decode(data, key=KEY)
     except CorruptChunk as e:
         return f"corrupt:{type(e).__name__}"
-    except Exception as e:  # noqa: BLE001 - any other exception is what the fuzzer looks for
+    except Exception as e:  # any other exception is what the fuzzer looks for
         return f"FAIL:{type(e).__name__}:{str(e)[:80]}"
     h = parse_header(data)
     if kv.num_tokens != h.num_tokens or kv.start != h.start or kv.num_tokens > codec.max_tokens:
@@ -305,8 +305,9 @@ def limit_memory(extra_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
-def run(cases: int, seed: int = 0, extra_mb: int | None = 512, progress: Callable[[int, Counter], None] | None = None) -> Counter:
-    """Counts per outcome over ``cases`` mutations (the corpus round-robin)."""
+def run(cases: int, seed: int = 0, extra_mb: int | None = 512, progress: Callable[[int, Counter], None] | None = None,
+        max_seconds: float | None = None) -> Counter:
+    """Counts per outcome over ``cases`` mutations (the corpus round-robin), fewer if ``max_seconds`` runs out first."""
     torch.set_num_threads(1)  # tiny tensors: torch's thread pool only adds waits (50 ms per bmm on a busy machine)
     corpus = build_corpus()
     for name, data, codec in corpus.chunks:  # the corpus itself decodes cleanly
@@ -317,7 +318,11 @@ def run(cases: int, seed: int = 0, extra_mb: int | None = 512, progress: Callabl
     rng = np.random.default_rng(seed)
     counts: Counter = Counter()
     n = len(corpus.chunks)
+    stop = None if max_seconds is None else time.monotonic() + max_seconds
     for i in range(cases):
+        if stop is not None and i % 256 == 0 and time.monotonic() > stop:
+            log.warning("seed %d: time is up after %d of %d cases", seed, i, cases)
+            break
         name, data, codec = corpus.chunks[i % n]
         counts[check_decode(codec, mutate(rng, data))] += 1
         if progress is not None and (i + 1) % 50_000 == 0:
@@ -325,21 +330,21 @@ def run(cases: int, seed: int = 0, extra_mb: int | None = 512, progress: Callabl
     return counts
 
 
-def _worker(args: tuple[int, int, int | None]) -> Counter:
+def _worker(args: tuple[int, int, int | None, float | None]) -> Counter:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cases, seed, extra_mb = args
+    cases, seed, extra_mb, max_seconds = args
     return run(cases, seed, extra_mb, progress=lambda i, c: log.info("seed %d: %d cases, %d failures", seed, i,
-                                                                     sum(v for k, v in c.items() if k.startswith("FAIL"))))
+                                                                     sum(v for k, v in c.items() if k.startswith("FAIL"))),
+               max_seconds=max_seconds)
 
 
-def run_parallel(cases: int, seed: int = 0, extra_mb: int | None = 512, jobs: int = 1) -> Counter:
+def run_parallel(cases: int, seed: int = 0, extra_mb: int | None = 512, jobs: int = 1, max_seconds: float | None = None) -> Counter:
     """:func:`run` split over ``jobs`` processes (seeds ``seed .. seed + jobs - 1``), counts summed."""
     if jobs <= 1:
-        return run(cases, seed, extra_mb,
-                   progress=lambda i, c: log.info("%d cases, %d failures", i, sum(v for k, v in c.items() if k.startswith("FAIL"))))
+        return _worker((cases, seed, extra_mb, max_seconds))
     import multiprocessing
 
-    parts = [(cases // jobs + (1 if j < cases % jobs else 0), seed + j, extra_mb) for j in range(jobs)]
+    parts = [(cases // jobs + (1 if j < cases % jobs else 0), seed + j, extra_mb, max_seconds) for j in range(jobs)]
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         total: Counter = Counter()
         for c in pool.imap_unordered(_worker, parts):
@@ -353,18 +358,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the mutations")
     ap.add_argument("--memory-mb", type=int, default=512, help="address space allowed above the start-up size (RLIMIT_AS)")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (each with its own seed and memory limit)")
+    ap.add_argument("--max-seconds", type=float, default=None, help="stop each worker after this long (counts so far are printed)")
     ap.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t = time.perf_counter()
-    counts = run_parallel(a.cases, a.seed, a.memory_mb, a.jobs)
+    counts = run_parallel(a.cases, a.seed, a.memory_mb, a.jobs, a.max_seconds)
     fails = sum(v for k, v in counts.items() if k.startswith("FAIL"))
+    done = sum(counts.values())
     if a.json:
-        print(json.dumps({"cases": a.cases, "seed": a.seed, "jobs": a.jobs, "seconds": round(time.perf_counter() - t, 1), "counts": dict(counts)}))
+        print(json.dumps({"cases": done, "requested": a.cases, "seed": a.seed, "jobs": a.jobs, "seconds": round(time.perf_counter() - t, 1), "counts": dict(counts)}))
     else:
         for k, v in sorted(counts.items(), key=lambda kv: -kv[1]):
             print(f"{v:9d}  {k}")
-        print(f"{a.cases} cases in {time.perf_counter() - t:.0f} s, {fails} failures")
+        print(f"{done} cases (of {a.cases}) in {time.perf_counter() - t:.0f} s, {fails} failures")
     return 1 if fails else 0
 
 

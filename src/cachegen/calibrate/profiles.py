@@ -11,8 +11,8 @@ Apache-2.0, ``pydoc-eval``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -79,7 +79,7 @@ def rope_specs(model) -> list[RopeSpec | None]:
         try:
             with torch.no_grad():
                 cos, sin = rot(x, pos, lt) if takes_type and lt else rot(x, pos)
-        except Exception:  # noqa: BLE001 - an unfamiliar module: code keys as they are
+        except Exception:  # an unfamiliar rotary module: code keys as they are (costs compression only)
             return None
         want = [spec.cos_sin(p, 1) for p in (0, 1, 777, 4095)]
         if cos.shape[-1] != spec.rotary_dim:
@@ -161,7 +161,7 @@ def load_or_calibrate(loaded_model, refresh: bool = False) -> Profile:
             if prof.model_fingerprint == loaded_model.fingerprint and prof.meta.get("kl_targets") == want:
                 return prof
             log.info("cached profile %s is stale (another level ladder): recalibrating", p)
-        except Exception as e:  # noqa: BLE001 - a damaged cache file is rebuilt, whatever is wrong with it
+        except Exception as e:  # a damaged cache file is rebuilt, whatever is wrong with it
             log.warning("cached profile %s is unreadable (%s): recalibrating", p, e)
     log.info("calibrating a codec profile for %s (once per model)", loaded_model.fingerprint)
     prof = calibrate_for_model(loaded_model)

@@ -16,7 +16,7 @@ any transformers causal LM.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

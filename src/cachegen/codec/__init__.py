@@ -25,14 +25,14 @@ from cachegen.codec.protocol import ChunkCodec
 
 __all__ = [
     "FORMAT_VERSION",
-    "LOSSLESS",
-    "LEVELS",
     "KL_TARGETS",
-    "Profile",
-    "Codec",
+    "LEVELS",
+    "LOSSLESS",
     "ChunkCodec",
     "ChunkHeader",
+    "Codec",
     "LayerShape",
+    "Profile",
     "calibrate",
     "rans",
 ]

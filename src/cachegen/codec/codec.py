@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
 
 import numpy as np
 import torch

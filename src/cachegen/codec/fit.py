@@ -9,7 +9,7 @@ live model through :mod:`cachegen.calibrate`, which calls :func:`calibrate`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -19,8 +19,8 @@ each head's prediction noise, measured better than a multiplier per head).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -175,7 +175,7 @@ class Profile:
         return self._bytes
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Profile":
+    def from_bytes(cls, data: bytes) -> Profile:
         """Parse and validate; raises CorruptChunk (or FormatVersionError) on bad input."""
         mv = memoryview(bytes(data))
         if len(mv) < 10 or bytes(mv[:4]) != PROFILE_MAGIC:
@@ -265,7 +265,7 @@ class Profile:
         tmp.replace(p)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Profile":
+    def load(cls, path: str | Path) -> Profile:
         return cls.from_bytes(Path(path).read_bytes())
 
     # -- helpers ------------------------------------------------------------------

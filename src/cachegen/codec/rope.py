@@ -43,7 +43,7 @@ class RopeSpec:
         return np.concatenate([self.inv_freq.astype(np.float32), np.float32([self.scale])])
 
     @classmethod
-    def from_array(cls, a: np.ndarray) -> "RopeSpec":
+    def from_array(cls, a: np.ndarray) -> RopeSpec:
         return cls(np.ascontiguousarray(a[:-1], dtype=np.float32), float(a[-1]))
 
     def cos_sin(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,8 @@ results). Text recompute (``recompute``) is not a codec: the harness prefills it
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from cachegen.bench.baselines._format import (
     CHUNK_TOKENS,
@@ -59,11 +60,34 @@ from cachegen.kv import KVCache
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "BASELINE_NAMES", "CDF_ENTRIES", "CDF_TOTAL", "CHUNK_TOKENS", "DEFAULT_BASELINES", "FORMAT_VERSION", "MAGIC",
-    "RANS_PRECISION", "RELEASED_LEVELS", "CacheGenReleasedCodec", "KiviCodec", "RawCodec", "ReleasedBins",
-    "UniformCodec", "Variant", "baseline", "header_size", "make_codecs", "pack_bits", "packed_len", "project_codec",
-    "released_cdf", "released_dequantize", "released_quantize", "roundtrip_chunks", "unpack_bits",
-    "_cdf_to_freqs", "_read_header",
+    "BASELINE_NAMES",
+    "CDF_ENTRIES",
+    "CDF_TOTAL",
+    "CHUNK_TOKENS",
+    "DEFAULT_BASELINES",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "RANS_PRECISION",
+    "RELEASED_LEVELS",
+    "CacheGenReleasedCodec",
+    "KiviCodec",
+    "RawCodec",
+    "ReleasedBins",
+    "UniformCodec",
+    "Variant",
+    "_cdf_to_freqs",
+    "_read_header",
+    "baseline",
+    "header_size",
+    "make_codecs",
+    "pack_bits",
+    "packed_len",
+    "project_codec",
+    "released_cdf",
+    "released_dequantize",
+    "released_quantize",
+    "roundtrip_chunks",
+    "unpack_bits",
 ]
 
 BASELINE_NAMES = ("fp16", "bf16", "uniform8", "uniform4", "kivi2", "kivi4", "cachegen-released")

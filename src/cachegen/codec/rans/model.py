@@ -7,8 +7,8 @@ cannot hold more than about ``16 w / min_bits`` symbols.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class Categorical:
         return hash((self.precision, self.freqs.tobytes()))
 
     @classmethod
-    def from_counts(cls, counts: np.ndarray, precision: int = 12) -> "Categorical":
+    def from_counts(cls, counts: np.ndarray, precision: int = 12) -> Categorical:
         """Quantize counts to ``2**precision``; every symbol with a count > 0 keeps a frequency >= 1."""
         return cls(quantize_counts(np.asarray(counts, dtype=np.float64), precision), precision)
 
@@ -102,7 +102,7 @@ class Tables:
     fc: np.ndarray | None = None  # (n_tables, A) int64: freq | cum << 16 (encoder)
 
     @classmethod
-    def build(cls, models: Sequence[Categorical]) -> "Tables":
+    def build(cls, models: Sequence[Categorical]) -> Tables:
         if not models:
             raise CodecError("need at least one model")
         prec = models[0].precision
