@@ -63,7 +63,7 @@ class NetnsRedis:
         self.veth_host, self.veth_ns = f"cgh{tag}"[:15], f"cgn{tag}"[:15]
         self.port = port
         self.gbps = gbps
-        self.subnet = None
+        self.subnet: int | None = None
         self.tmp = Path(tempfile.mkdtemp(prefix="cg-netns-"))
         self.pidfile = self.tmp / "redis.pid"
         self.started = False

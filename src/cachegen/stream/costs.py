@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from cachegen import paths
@@ -112,7 +113,7 @@ def calibrate_decode(codec, sample: KVCache, levels: Sequence[int], repeats: int
     for level in levels:
         blob = codec.encode(sample, level)
         codec.decode(blob)  # warm-up (JIT, caches)
-        t = best_time(lambda blob=blob: codec.decode(blob), repeats)
+        t = best_time(partial(codec.decode, blob), repeats)
         cm.decode_s_per_mvalue[int(level)] = max(t - cm.decode_fixed_s, 0.0) / mv * DECODE_HEADROOM
     # joining chunks: a copy of the whole context, slower in the loader than alone (cold caches,
     # allocation); the slowest of a few joins of 8 chunks, divided by STITCH_HEADROOM (measured in

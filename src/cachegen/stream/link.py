@@ -80,9 +80,9 @@ def random_trace(n_chunks: int, seed: int, lo: float = 0.1, hi: float = 10.0, lo
     """A bandwidth per chunk drawn uniformly in ``[lo, hi]`` Gbit/s (log-uniform if ``log``)."""
     rng = random.Random(seed)
     if log:
-        pts = [(i, math.exp(rng.uniform(math.log(lo), math.log(hi)))) for i in range(n_chunks)]
+        pts = [(float(i), math.exp(rng.uniform(math.log(lo), math.log(hi)))) for i in range(n_chunks)]
     else:
-        pts = [(i, rng.uniform(lo, hi)) for i in range(n_chunks)]
+        pts = [(float(i), rng.uniform(lo, hi)) for i in range(n_chunks)]
     return Trace(pts, by="chunk", name="random-log" if log else "random")
 
 

@@ -48,10 +48,11 @@ from cachegen.stream.planner import (
     fetch_order,
     with_recency_boost,
 )
-from cachegen.stream.protocols import ChunkInfoLike, ChunkRefLike, ChunkSource, Clock, Link, Recompute
+from cachegen.stream.protocols import ChunkSource, Clock, Link, Recompute
 
 if TYPE_CHECKING:
     from cachegen.codec import ChunkCodec
+    from cachegen.store import ChunkInfo, ChunkRef
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class LoadResult:
 class LoadPlan:
     """The store's answer, as both stages use it: chunks in order, the fetch order, deadlines."""
 
-    infos: list[ChunkInfoLike]
+    infos: list[ChunkInfo]
     chunks: list[PlanChunk]
     order: list[int]  # positions in fetch order
     early: int | None  # the position fetched out of order (the last chunk), or None
@@ -311,17 +312,17 @@ class StreamingLoader:
             return None
         return max(until - self.clock(), MIN_STORE_TIMEOUT_S)
 
-    def plan_infos(self, tokens: Sequence[int], until: float = math.inf) -> list[ChunkInfoLike]:
+    def plan_infos(self, tokens: Sequence[int], until: float = math.inf) -> list[ChunkInfo]:
         if self._plan_timeout:
             return list(self.store.plan(tokens, timeout=self._store_timeout(until)))
         return list(self.store.plan(tokens))
 
-    def get(self, ref: ChunkRefLike, level: int, until: float = math.inf) -> bytes:
+    def get(self, ref: ChunkRef, level: int, until: float = math.inf) -> bytes:
         if self._get_timeout:
             return self.store.get(ref, level, timeout=self._store_timeout(until))
         return self.store.get(ref, level)
 
-    def decode(self, data: bytes, ref: ChunkRefLike, like: KVCache | None) -> KVCache:
+    def decode(self, data: bytes, ref: ChunkRef, like: KVCache | None) -> KVCache:
         """Decode a chunk fetched for ``ref`` and check it is that chunk (a mismatch is :class:`CorruptChunk`)."""
         kv = self.codec.decode(data, key=ref.key) if self._decode_key else self.codec.decode(data)
         if kv.start != ref.start or kv.num_tokens != ref.end - ref.start:
@@ -360,7 +361,7 @@ class _Load:
         return self.l.clock() - self.t0
 
     # -- planning ----------------------------------------------------------------------
-    def make_plan(self, infos: list[ChunkInfoLike]) -> LoadPlan:
+    def make_plan(self, infos: list[ChunkInfo]) -> LoadPlan:
         last = max((i for i, inf in enumerate(infos) if inf.sizes), default=-1)
         infos = infos[: last + 1]
         vpt, allowed = self.o.values_per_token or 0, self.o.levels

@@ -256,7 +256,7 @@ class VirtualRunner:
 
         try:
             while True:
-                events = []
+                events: list[tuple[float, float, _Proc[Any]]] = []
                 if prod.state == "ready":
                     events.append((prod.t, prod.seq, prod))
                 if cons.state == "ready":

@@ -117,7 +117,8 @@ def chunk_costs(chunk: PlanChunk, choice: Choice, gbps: float, costs: CostModel)
     """(network seconds, compute seconds) of one chunk under one choice."""
     if choice == TEXT:
         return 0.0, costs.recompute_s(chunk.start, chunk.num_tokens)
-    return costs.fetch_s(chunk.sizes[choice], gbps), costs.decode_s(choice, chunk.num_values)
+    level = int(choice)
+    return costs.fetch_s(chunk.sizes[level], gbps), costs.decode_s(level, chunk.num_values)
 
 
 def _step(net: float, cpu: float, chunk: PlanChunk, choice: Choice, gbps: float, costs: CostModel) -> tuple[float, float]:
@@ -141,7 +142,7 @@ def simulate(chunks: Sequence[PlanChunk], choices: Sequence[Choice], gbps: float
 
 def options(chunk: PlanChunk, allowed: Sequence[int] | None = None, text: bool = True) -> list[Choice]:
     """Stored levels, best quality first, then TEXT."""
-    lv = sorted(l for l in chunk.sizes if allowed is None or l in allowed)
+    lv: list[Choice] = sorted(l for l in chunk.sizes if allowed is None or l in allowed)
     return [*lv, TEXT] if text else lv
 
 
@@ -150,11 +151,12 @@ def cheapest_tail(chunks: Sequence[PlanChunk], gbps: float, costs: CostModel, ne
     """Greedy: each chunk takes the option that ends its compute soonest."""
     picks: list[Choice] = []
     for ch in chunks:
-        best = None
+        best: tuple[float, float, Choice] | None = None
         for o in options(ch, allowed):
             n2, c2 = _step(net, cpu, ch, o, gbps, costs)
             if best is None or (c2, n2) < (best[1], best[0]):
                 best = (n2, c2, o)
+        assert best is not None  # options() always holds TEXT
         net, cpu = best[0], best[1]
         picks.append(best[2])
     return net, cpu, picks
@@ -188,8 +190,9 @@ def finish_quantile(chunks: Sequence[PlanChunk], plan: Sequence[Choice], head_s_
             cpu = cpu + costs.recompute_s(ch.start, ch.num_tokens)
             continue
         spb = head_s_per_bit if j == 0 else tail_s_per_bit[:, j - 1]
-        net = net + (costs.fetch_latency_s + 8 * ch.sizes[o] * spb)
-        cpu = np.maximum(cpu, net) + costs.decode_s(o, ch.num_values)
+        level = int(o)
+        net = net + (costs.fetch_latency_s + 8 * ch.sizes[level] * spb)
+        cpu = np.maximum(cpu, net) + costs.decode_s(level, ch.num_values)
     return float(np.quantile(cpu, q))
 
 
@@ -276,7 +279,7 @@ def choose_rule(chunk: PlanChunk, share_s: float, gbps: float, costs: CostModel,
 
 def smallest_level(chunk: PlanChunk, allowed: Sequence[int] | None = None) -> int | None:
     """The stored level with the fewest bytes (the probe)."""
-    lv = options(chunk, allowed, text=False)
+    lv = [int(l) for l in options(chunk, allowed, text=False)]
     return min(lv, key=lambda l: (chunk.sizes[l], -l)) if lv else None
 
 

@@ -15,30 +15,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from cachegen.codec import ChunkCodec
     from cachegen.kv import KVCache
+    from cachegen.store import ChunkInfo, ChunkRef
 
-__all__ = ["ChunkCodec", "ChunkInfoLike", "ChunkRefLike", "ChunkSource", "Clock", "Link", "Recompute"]
-
-
-class ChunkRefLike(Protocol):
-    """A chunk of a context (:class:`cachegen.store.ChunkRef` is one)."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def start(self) -> int: ...
-    @property
-    def end(self) -> int: ...
-    @property
-    def key(self) -> str: ...
-
-
-class ChunkInfoLike(Protocol):
-    """A chunk and its stored payload size per level (:class:`cachegen.store.ChunkInfo` is one)."""
-
-    @property
-    def ref(self) -> ChunkRefLike: ...
-    @property
-    def sizes(self) -> dict[int, int]: ...
+__all__ = ["ChunkCodec", "ChunkSource", "Clock", "Link", "Recompute"]
 
 
 @runtime_checkable
@@ -50,15 +29,15 @@ class ChunkSource(Protocol):
     The loader passes it only to a store whose methods accept it, and never waits
     for a call past its deadline either way."""
 
-    def plan(self, tokens: Sequence[int], *, timeout: float | None = None) -> Sequence[ChunkInfoLike]: ...
+    def plan(self, tokens: Sequence[int], /, *, timeout: float | None = None) -> Sequence[ChunkInfo]: ...
 
-    def get(self, ref: ChunkRefLike, level: int, *, timeout: float | None = None) -> bytes: ...
+    def get(self, ref: ChunkRef, level: int, /, *, timeout: float | None = None) -> bytes: ...
 
 
 class Recompute(Protocol):
     """The model: the KV of ``token_ids`` after ``prefix`` (from text)."""
 
-    def __call__(self, prefix: KVCache | None, token_ids: list[int]) -> KVCache: ...
+    def __call__(self, prefix: KVCache | None, token_ids: list[int], /) -> KVCache: ...
 
 
 class Link(Protocol):
@@ -67,7 +46,7 @@ class Link(Protocol):
 
     def begin(self) -> None: ...
 
-    def fetch(self, get: Callable[[ChunkRefLike, int], bytes], ref: ChunkRefLike, level: int) -> bytes: ...
+    def fetch(self, get: Callable[[ChunkRef, int], bytes], ref: ChunkRef, level: int, /) -> bytes: ...
 
     def close(self) -> None: ...
 
