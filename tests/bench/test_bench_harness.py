@@ -184,7 +184,7 @@ def test_bench_all_quick_on_a_tiny_model(tmp_path, tiny_lm, monkeypatch):
     small = {"quality": (96, 12), "needle": (96, 2), "ttft": 96, "codec": None}
     monkeypatch.setitem(bench_all.SIZES, "quick", small)
     out = tmp_path / "out"
-    rc = main(["bench", "all", "--quick", "--skip-codec", "--skip-stream", "--model", str(d), "--codecs", "fp16,kivi2,cachegen-released:1",
+    rc = main(["bench", "all", "--quick", "--skip-codec", "--skip-stream", "--skip-serve", "--skip-vllm", "--model", str(d), "--codecs", "fp16,kivi2,cachegen-released:1",
                "--out", str(out)])
     assert rc == 0
     md = (out / "results.md").read_text()

@@ -86,7 +86,7 @@ def cmd_all(args: argparse.Namespace) -> int:
     checks.output_dir(args.out)
     run_all(args.out, model=args.model, dtype=args.dtype, codecs=args.codecs, needle_cases=args.needle_cases,
             quick=args.quick, link=args.link, codec_bench=not args.skip_codec, stream=not args.skip_stream,
-            ttft_dtype=args.ttft_dtype)
+            serve=not args.skip_serve, vllm=not args.skip_vllm, ttft_dtype=args.ttft_dtype)
     return 0
 
 
@@ -203,6 +203,8 @@ def register(subparsers, argv: Sequence[str] | None = None) -> argparse.Argument
     _link(p)
     p.add_argument("--skip-codec", action="store_true", help="leave out `bench codec`")
     p.add_argument("--skip-stream", action="store_true", help="leave out `bench stream`")
+    p.add_argument("--skip-serve", action="store_true", help="leave out `bench serve`")
+    p.add_argument("--skip-vllm", action="store_true", help="leave out `bench vllm` (skipped anyway without .venv-vllm)")
     p.add_argument("--ttft-dtype", default="bfloat16", choices=("float32", "bfloat16"),
                    help="model dtype for time-to-first-token runs (default bf16, the serving dtype)")
     p.set_defaults(func=cmd_all)
