@@ -14,19 +14,35 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cachegen.bench.replay import replay_load
 from cachegen.errors import ConfigError
 from cachegen.kv import KVCache
 from cachegen.store import ContextStore, Namespace, open_backend
-from cachegen.stream import TEXT, CostModel, StreamingLoader, ThrottledLink, ThroughputEstimator, make_trace
+from cachegen.stream import (
+    TEXT,
+    CostModel,
+    LoaderOptions,
+    StreamingLoader,
+    ThrottledLink,
+    ThroughputEstimator,
+    make_trace,
+)
 from cachegen.stream.costs import calibrate_decode, calibrate_recompute, default_path
-from cachegen.stream.planner import RECENCY_BOOST, RISK_QUANTILE, PlanChunk, simulate, with_recency_boost
+from cachegen.stream.planner import RECENCY_BOOST, RISK_QUANTILE, PlanChunk, simulate
+
+if TYPE_CHECKING:
+    from cachegen.codec import ChunkCodec
+
+_log = logging.getLogger(__name__)
 
 FIELDS = ("method", "trace", "ttft_s_p50", "ttft_s_p95", "deadline_miss_rate", "mean_kl")
 CHUNK_TOKENS = 256
@@ -34,26 +50,10 @@ TAIL_TOKENS = 16  # the prompt after the cached context
 CONT_TOKENS = 32  # continuation scored for KL
 
 
-class _Fixed:
-    """A baseline codec (``encode(kv)``) stored as a single level."""
+def _baseline_codecs() -> dict[str, ChunkCodec]:
+    from cachegen.bench.baselines import RawCodec, UniformCodec
 
-    def __init__(self, codec):
-        self.codec, self.levels = codec, (0,)
-
-    def encode(self, kv, level):
-        return self.codec.encode(kv)
-
-    def decode(self, data):
-        return self.codec.decode(data)
-
-
-def _baseline_codecs() -> dict[str, object]:
-    try:
-        from cachegen.bench.baselines import RawCodec, UniformCodec
-
-        return {"fp16": RawCodec("fp16"), "uniform8": UniformCodec(8)}
-    except ImportError:  # pragma: no cover
-        return {}
+    return {"fp16": RawCodec("fp16"), "uniform8": UniformCodec(8)}
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
@@ -70,7 +70,7 @@ def kl_nats(logits: torch.Tensor, ref: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
-QUICK = {"context_tokens": 1024, "runs": 2, "sim_runs": 50,
+QUICK: dict[str, Any] = {"context_tokens": 1024, "runs": 2, "sim_runs": 50,
          "methods": ("adaptive", "cachegen-rule", "cachegen-L7", "uniform8", "recompute")}
 SIM_METHODS = ("adaptive", "cachegen-rule")  # plus cachegen-L<n>: the ones the cost model knows
 
@@ -118,7 +118,7 @@ def _slo_value(slo, chunks, levels, traces, costs, reserve: float, log, eight_bi
 def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: float | str = "auto", runs: int = 10,
                      context_tokens: int = 4096, json_path: str | None = None, link: str = "inproc", gbps: float = 0.1,
                      methods: Sequence[str] | None = None, dtype: str = "bfloat16", seed: int = 0,
-                     log: Callable[[str], None] = print, sim_runs: int = 0, quick: bool = False,
+                     log: Callable[[str], None] | None = None, sim_runs: int = 0, quick: bool = False,
                      store_dir: str | None = None, prefetch: int = 8,
                      risk_quantile: float | None = None, recency_boost: int = RECENCY_BOOST) -> list[dict]:
     """Run the bench; returns the rows (and writes ``json_path``).
@@ -126,23 +126,26 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
     ``prefetch``, ``risk_quantile`` and ``recency_boost``: the loader's (and the replay's) settings,
     for measuring their effect (see :class:`cachegen.stream.loader.StreamingLoader`).
     ``runs``: wall-clock loads per method (through ``link``: ``inproc`` or ``netns``).
-    ``sim_runs``: additional virtual-time loads per cachegen method (:mod:`cachegen.stream.sim`,
-    rows with ``timing="virtual"``). ``quick``: a small configuration for ``cachegen bench all``
+    ``sim_runs``: additional virtual-time loads per cachegen method: the same loader driven by a
+    virtual clock (:mod:`cachegen.bench.replay`, rows with ``timing="virtual"``). ``quick``: a small configuration for ``cachegen bench all``
     (1K-token context, 2 wall runs, 50 virtual runs, five methods; a few minutes cold, ~1 min warm).
     The encoded context is kept in a persistent store (``$CACHEGEN_HOME/bench-store``), so
     only the first call encodes.
     """
     from transformers.utils import logging as hf_logging
 
+    log = log or _log.info  # progress lines; the table itself is printed
+
     from cachegen import paths
-    from cachegen.codec import LEVELS, Codec, load_or_calibrate
+    from cachegen.bench.baselines import FORMAT_VERSION as BASELINE_FORMAT
+    from cachegen.calibrate import load_or_calibrate
+    from cachegen.codec import LEVELS, Codec
     from cachegen.codec.container import FORMAT_VERSION
     from cachegen.corpus import take_tokens, text
     from cachegen.engine.models import load_model
     from cachegen.engine.prefill import continue_from, prefill
     from cachegen.store.backend import ChunkWrite
     from cachegen.store.keys import token_bytes
-    from cachegen.stream.sim import simulate_load
 
     if quick:
         context_tokens, runs, sim_runs = QUICK["context_tokens"], min(runs, QUICK["runs"]), QUICK["sim_runs"]
@@ -151,7 +154,8 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
     t_setup = time.perf_counter()
     lm = load_model(model, progress=False)  # fp32: the codec profile is calibrated in fp32 (as the Engine does)
     profile = load_or_calibrate(lm)
-    m, tok = lm.model, lm.tokenizer
+    m: Any = lm.model
+    tok: Any = lm.tokenizer
     if dtype != "float32":
         m.to(getattr(torch, dtype))
     src = text("pydoc-eval") if "pydoc-eval" in _sources() else text(_sources()[0])
@@ -171,24 +175,24 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
     sdir = Path(store_dir) if store_dir else paths.subdir("bench-store")
     file_backend = open_backend(f"file://{sdir}")
     ns = Namespace(f"{lm.fingerprint}-{dtype}", FORMAT_VERSION, profile.id)
-    specs = {"cachegen": (ns, codec, levels)}
+    specs: dict[str, tuple[Namespace, ChunkCodec, tuple[int, ...]]] = {"cachegen": (ns, codec, levels)}
     for name, c in _baseline_codecs().items():
-        specs[name] = (Namespace(f"{lm.fingerprint}-{dtype}", 1, f"baseline-{name}"), _Fixed(c), (0,))
+        specs[name] = (Namespace(f"{lm.fingerprint}-{dtype}", BASELINE_FORMAT, f"baseline-{name}"), c, c.levels)
     t = time.perf_counter()
-    for name, (nsp, cdc, lv) in specs.items():
+    for nsp, cdc, lv in specs.values():
         ContextStore(file_backend, nsp, cdc, chunk_tokens=CHUNK_TOKENS).put_context(ctx, exact, levels=lv)
     log(f"[stream] store {sdir}: ready in {time.perf_counter() - t:.1f}s")
     netns = None
     backend = file_backend
     if link == "netns":
-        from cachegen.stream.netns import NetnsRedis, available
+        from cachegen.bench.netns import NetnsRedis, available
 
         ok, why = available()
         if ok:
             try:
                 netns = NetnsRedis(gbps=10.0, port=6395).start()
                 backend = open_backend(netns.url)
-            except Exception as e:  # noqa: BLE001 - fall back, and say so
+            except Exception as e:
                 ok, why = False, f"{type(e).__name__}: {e}"
                 if netns is not None:
                     netns.close()
@@ -198,13 +202,13 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
             link = "inproc"
         else:  # copy the stored payloads into redis (no re-encoding)
             raw = token_bytes(ctx)
-            for name, (nsp, cdc, lv) in specs.items():
+            for nsp, cdc, _lv in specs.values():
                 src_store = ContextStore(file_backend, nsp, cdc, chunk_tokens=CHUNK_TOKENS)
                 writes = [ChunkWrite(i.ref.key, raw[i.ref.start * 4:i.ref.end * 4],
                                      {l: src_store.get(i.ref, l) for l in i.sizes}, start=i.ref.start,
                                      ends_context=i.ref.end == len(ctx)) for i in src_store.plan(ctx)]
                 backend.put_chunks(writes)
-            log(f"[stream] netns: redis at {netns.url} behind tbf-shaped veths")
+            log(f"[stream] netns: redis at {netns.url if netns else '?'} behind tbf-shaped veths")
     stores = {name: (ContextStore(backend, nsp, cdc, chunk_tokens=CHUNK_TOKENS), cdc, lv)
               for name, (nsp, cdc, lv) in specs.items()}
     st = stores["cachegen"][0]
@@ -245,7 +249,6 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
         f"sizes L{levels[0]} {sum(c.sizes[levels[0]] for c in chunks) / 1e6:.2f} MB .. "
         f"L{levels[-1]} {sum(c.sizes[levels[-1]] for c in chunks) / 1e6:.2f} MB")
 
-    sim_chunks = with_recency_boost(chunks, recency_boost)
     all_methods = ["adaptive", "cachegen-rule", *[f"cachegen-L{l}" for l in levels],
                    *[k for k in stores if k != "cachegen"], "recompute"]
     methods = list(methods) if methods else all_methods
@@ -296,10 +299,10 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                 # one estimator per method, kept across loads (as the Engine keeps one per link)
                 est = estimators.setdefault(method, ThroughputEstimator())
                 lk = ThrottledLink(tr) if netns is None else _netns_link(netns, tr)
-                loader = StreamingLoader(store, cdc, recompute, costs=costs, slo_s=slo, link=lk, policy=policy,
-                                         estimator=est, levels=lv, reserve_s=reserve, values_per_token=vpt,
-                                         dtype=m.dtype, prefetch=prefetch, risk_quantile=risk_quantile,
-                                         recency_boost=recency_boost)
+                opts = LoaderOptions(policy=policy, slo_s=slo, reserve_s=reserve, levels=lv, prefetch=prefetch,
+                                     risk_quantile=risk_quantile, recency_boost=recency_boost, dtype=m.dtype,
+                                     values_per_token=vpt)
+                loader = StreamingLoader(store, cdc, recompute, opts, costs=costs, link=lk, estimator=est)
                 t0 = time.perf_counter()
                 res = loader.load(ctx + tail, t0=t0)
                 out = continue_from(m, res.kv, tail)
@@ -321,9 +324,10 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                 ttfts, kls, misses, patterns = [], [], 0, []
                 for r in range(sim_runs):
                     tr = make_trace(trace, n_chunks, seed=seed + r, gbps=gbps)
-                    sr = simulate_load(sim_chunks, tr, costs, slo, policy=policy, estimator=est, reserve_s=reserve,
-                                       allowed=lv, seed=seed + r, prefetch=prefetch, risk_quantile=risk_quantile,
-                                       itemsize=m.dtype.itemsize)
+                    opts = LoaderOptions(policy=policy, slo_s=slo, reserve_s=reserve, levels=lv, prefetch=prefetch,
+                                         risk_quantile=risk_quantile, recency_boost=recency_boost, dtype=m.dtype,
+                                         values_per_token=vpt)
+                    sr = replay_load(chunks, tr, costs, opts, estimator=est, seed=seed + r)
                     ttft = plan_s + sr.load_s + tail_s
                     ttfts.append(ttft)
                     misses += ttft > slo
@@ -385,7 +389,7 @@ def _ratios(rows: list[dict]) -> dict[str, float]:
 
 
 def _netns_link(netns, tr):
-    from cachegen.stream.netns import NetnsLink
+    from cachegen.bench.netns import NetnsLink
 
     return NetnsLink(netns, tr)
 
@@ -419,7 +423,8 @@ def register(sub) -> argparse.ArgumentParser:
                         "(the most aggressive level at the median bandwidth, plus the tail prefill, x (1+MARGIN))")
     p.add_argument("--runs", type=int, default=10, help="wall-clock loads per method")
     p.add_argument("--sim-runs", type=int, default=0,
-                   help="virtual-time loads per cachegen method (cachegen.stream.sim), rows with timing=virtual")
+                   help="virtual-time loads per cachegen method (the loader on a virtual clock, "
+                        "cachegen.bench.replay), rows with timing=virtual")
     p.add_argument("--quick", action="store_true", help="small configuration (1K tokens, few runs) for bench all")
     p.add_argument("--context-tokens", type=int, default=4096)
     p.add_argument("--methods", default=None, help="comma-separated subset")
