@@ -248,7 +248,7 @@ def _engine_for(mode: str, base, tmp: Path, redis: tuple | None, chunk_tokens: i
 
 def run(model: str = "smollm2-135m", modes: Sequence[str] = MODES, workload: Workload | None = None,
         chunk_tokens: int = 256, slo_s: float | None = 1.0, ram_bytes: int = 2 << 30,
-        plot: str | Path | None = None, prefer_netns: bool = True) -> dict:
+        plot: str | Path | None = None, prefer_netns: bool = True, dtype: str = "bfloat16") -> dict:
     """Every mode in turn against a fresh store; returns ``{"rows": [...], "requests": {...}, ...}``."""
     from cachegen.engine.engine import Engine
     from cachegen.serve import ServeConfig
@@ -261,7 +261,9 @@ def run(model: str = "smollm2-135m", modes: Sequence[str] = MODES, workload: Wor
         raise ConfigError(f"unknown mode(s) {', '.join(sorted(unknown))}: choose from {', '.join(MODES)}")
     tmp = Path(tempfile.mkdtemp(prefix="cachegen-bench-serve-"))
     rows, per_request = [], {}
-    base = Engine.open(model, f"file://{tmp / 'base'}", chunk_tokens, progress=False)
+    import torch
+
+    base = Engine.open(model, f"file://{tmp / 'base'}", chunk_tokens, progress=False, dtype=getattr(torch, dtype))
     try:
         base.costs()
         system, docs = conversations(base.tokenizer, w)
@@ -289,7 +291,7 @@ def run(model: str = "smollm2-135m", modes: Sequence[str] = MODES, workload: Wor
     finally:
         base.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    out = {"model": model, "workload": w.__dict__, "chunk_tokens": chunk_tokens, "slo_s": slo_s, "rows": rows,
+    out = {"model": model, "dtype": dtype, "workload": w.__dict__, "chunk_tokens": chunk_tokens, "slo_s": slo_s, "rows": rows,
            "requests": per_request}
     if plot:
         plot_rows(rows, plot)
@@ -357,6 +359,8 @@ def register(sub) -> None:
                    help="load deadline of the cachegen modes, in seconds (default 1.0)")
     p.add_argument("--ram-bytes", type=pint, default=2 << 30,
                    help="size bound of the ram-prefix cache in bytes (default 2 GiB)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the model's compute dtype (default bfloat16; float32 is faster on CPUs without AVX512-BF16)")
     p.add_argument("--link", choices=("netns", "inproc"), default="netns",
                    help="redis modes: a shaped veth link in a network namespace when possible (default), "
                         "or the in-process ThrottledLink")
@@ -374,7 +378,7 @@ def _cmd(args: argparse.Namespace) -> int:
     w = Workload(args.users, args.rounds, args.system_tokens, args.doc_tokens, args.answer_tokens, args.qps)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     res = run(args.model, modes, w, args.chunk_tokens, args.slo_s, args.ram_bytes, args.plot,
-              prefer_netns=args.link == "netns")
+              prefer_netns=args.link == "netns", dtype=args.dtype)
     print(table(res["rows"], COLS), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json == "-":
         json.dump(res, sys.stdout, indent=2)

@@ -52,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="open connections beyond this get 503 (default 256)")
     p.add_argument("--max-pending-writes", type=checks.positive_int, default=8, metavar="N",
                    help="background store writes that may wait; more are dropped and counted (default 8)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the model's compute dtype (default bfloat16; float32 is faster on CPUs without AVX512-BF16; "
+                        "each dtype has its own chunks in the store)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     _env_defaults(p)
     p.set_defaults(func=run)
@@ -122,8 +125,10 @@ def run(args: argparse.Namespace) -> int:
         from cachegen.engine.engine import Engine
         from cachegen.serve import ServeConfig, create_app
 
-        with Engine.open(args.model, args.store, args.chunk_tokens, levels,
-                         progress=False) as eng:
+        import torch
+
+        with Engine.open(args.model, args.store, args.chunk_tokens, levels, progress=False,
+                         dtype=getattr(torch, args.dtype)) as eng:
             eng.writer.max_pending = args.max_pending_writes
             eng.costs()  # measured once per machine and cached: not on the first request's clock
             cfg = ServeConfig(model_name=eng.lm.name, api_key=args.api_key or None, max_queue=args.max_queue,
