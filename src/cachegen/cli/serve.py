@@ -120,12 +120,11 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)
     try:
         checks.store(args.store)
+        import torch
         import uvicorn
 
         from cachegen.engine.engine import Engine
         from cachegen.serve import ServeConfig, create_app
-
-        import torch
 
         with Engine.open(args.model, args.store, args.chunk_tokens, levels, progress=False,
                          dtype=getattr(torch, args.dtype)) as eng:
