@@ -63,11 +63,19 @@ class Redis:
             os.kill(self.pid(), sig)
 
     def debug_sleep(self, seconds: float) -> socket.socket:
-        """Make the server sleep (it is single-threaded: every client waits); returns the open socket."""
+        """Make the server sleep (it is single-threaded: every client waits) and return once it does
+        (a fresh connection's PING goes unanswered); returns the socket that sent the command."""
         s = socket.create_connection(("127.0.0.1", self.port))
         s.sendall(f"DEBUG SLEEP {seconds}\r\n".encode())
-        time.sleep(0.05)  # the command is read and running before the next request
-        return s
+        for _ in range(50):
+            with socket.create_connection(("127.0.0.1", self.port)) as probe:
+                probe.settimeout(0.2)
+                probe.sendall(b"PING\r\n")
+                try:
+                    probe.recv(16)  # answered: the sleep has not begun yet
+                except TimeoutError:
+                    return s  # asleep
+        raise AssertionError("redis-server never started its DEBUG SLEEP")
 
 
 def _free_port() -> int:
