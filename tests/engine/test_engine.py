@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cachegen import corpus
+from cachegen.calibrate import load_or_calibrate
 from cachegen.engine.engine import Engine
 from cachegen.engine.prefill import prefill
 from cachegen.errors import ConfigError
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.model
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("store")
-    eng = Engine.open("smollm2-135m", f"file://{root}", levels=(1, 4, 7), progress=False, dtype=torch.float32)
+    eng = Engine.open("smollm2-135m", f"file://{root}", levels=(1, 4, 7), progress=False, dtype=torch.float32,
+                      profile=load_or_calibrate)
     eng._costs = CostModel()  # defaults: the tests check behaviour, not timing
     yield eng
     eng.close()

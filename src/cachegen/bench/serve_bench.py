@@ -250,6 +250,7 @@ def run(model: str = "smollm2-135m", modes: Sequence[str] = MODES, workload: Wor
         chunk_tokens: int = 256, slo_s: float | None = 1.0, ram_bytes: int = 2 << 30,
         plot: str | Path | None = None, prefer_netns: bool = True, dtype: str = "bfloat16") -> dict:
     """Every mode in turn against a fresh store; returns ``{"rows": [...], "requests": {...}, ...}``."""
+    from cachegen.calibrate import load_or_calibrate
     from cachegen.engine.engine import Engine
     from cachegen.serve import ServeConfig
 
@@ -263,7 +264,8 @@ def run(model: str = "smollm2-135m", modes: Sequence[str] = MODES, workload: Wor
     rows, per_request = [], {}
     import torch
 
-    base = Engine.open(model, f"file://{tmp / 'base'}", chunk_tokens, progress=False, dtype=getattr(torch, dtype))
+    base = Engine.open(model, f"file://{tmp / 'base'}", chunk_tokens, progress=False, dtype=getattr(torch, dtype),
+                       profile=load_or_calibrate)
     try:
         base.costs()
         system, docs = conversations(base.tokenizer, w)

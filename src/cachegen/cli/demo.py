@@ -39,6 +39,7 @@ def _mib(n: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from cachegen import corpus
+    from cachegen.calibrate import load_or_calibrate
     from cachegen.engine.engine import Engine
     from cachegen.engine.hf_cache import values_per_token
     from cachegen.stream import ThrottledLink, constant
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     say = lambda *a: print(*a, flush=True)
     say(f"cachegen demo: model {args.model}, store {args.store or 'local (default)'}")
-    with Engine.open(args.model, args.store, chunk_tokens=args.chunk_tokens, progress=True) as eng:
+    with Engine.open(args.model, args.store, chunk_tokens=args.chunk_tokens, progress=True, profile=load_or_calibrate) as eng:
         case = corpus.needle_case(eng.tokenizer, args.context_tokens, seed=args.seed)
         n_ctx = len(case.context_ids)
         say(f"context: {n_ctx} tokens of real text (pydoc topics) with a secret number at depth {case.depth:.0%}")

@@ -123,11 +123,12 @@ def run(args: argparse.Namespace) -> int:
         import torch
         import uvicorn
 
+        from cachegen.calibrate import load_or_calibrate
         from cachegen.engine.engine import Engine
         from cachegen.serve import ServeConfig, create_app
 
         with Engine.open(args.model, args.store, args.chunk_tokens, levels, progress=False,
-                         dtype=getattr(torch, args.dtype)) as eng:
+                         dtype=getattr(torch, args.dtype), profile=load_or_calibrate) as eng:
             eng.writer.max_pending = args.max_pending_writes
             eng.costs()  # measured once per machine and cached: not on the first request's clock
             cfg = ServeConfig(model_name=eng.lm.name, api_key=args.api_key or None, max_queue=args.max_queue,

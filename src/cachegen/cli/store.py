@@ -120,9 +120,10 @@ def cmd_ingest(args) -> int:
     text = checks.text_file(args.file)
     levels = checks.levels(args.levels)
     checks.store(args.store)
+    from cachegen.calibrate import load_or_calibrate
     from cachegen.engine.engine import Engine
 
-    with Engine.open(args.model, args.store, args.chunk_tokens, levels) as eng:
+    with Engine.open(args.model, args.store, args.chunk_tokens, levels, profile=load_or_calibrate) as eng:
         r = eng.ingest_text(text, progress=True)
     print(f"ingested {r.chunks} chunks, {r.tokens} tokens ({r.written} chunks written) into "
           f"{redact(args.store or default_store_url())}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -26,10 +26,13 @@ from cachegen.engine.prefill import Decoder, eos_token_ids, prefill
 from cachegen.engine.sampling import SamplingParams
 from cachegen.engine.writer import BackgroundWriter
 from cachegen.errors import ConfigError
+from cachegen.codec import Profile
 from cachegen.kv import KVCache
 from cachegen.store import ContextStore, Namespace, open_backend
 from cachegen.stream import ADAPTIVE, CostModel, LoaderOptions, LoadResult, StreamingLoader, ThroughputEstimator
 from cachegen.stream import costs as costs_mod
+
+ProfileSource = Callable[[LoadedModel], Profile]  # e.g. cachegen.calibrate.load_or_calibrate
 
 
 @dataclass
@@ -69,17 +72,20 @@ class Engine:
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store_url: str | None = None, chunk_tokens: int = 256,
              levels: Sequence[int] | None = None, progress: bool = True,
-             dtype: torch.dtype = torch.bfloat16) -> "Engine":
-        """Load the model, its profile (calibrated once and cached) and open the store at ``store_url``.
+             dtype: torch.dtype = torch.bfloat16, *, profile: Profile | ProfileSource) -> "Engine":
+        """Load the model and open the store at ``store_url``, with the codec ``profile``.
 
-        The model serves in ``dtype`` (bf16 by default: 2-3x faster prefill on
-        CPU, and the KV size serving engines keep); profiles are always
-        calibrated in fp32 so they do not depend on it.
+        ``profile`` is a :class:`~cachegen.codec.Profile` or a function of the
+        loaded model that returns one; pass
+        :func:`cachegen.calibrate.load_or_calibrate` to calibrate once and cache.
+        It is a parameter because calibration needs a live model and so sits in
+        the layer above this one. The model serves in ``dtype`` (bf16 by
+        default: the KV size serving engines keep); the profile source gets the
+        fp32 model, so profiles do not depend on the serving dtype.
         """
-        from cachegen.calibrate import load_or_calibrate  # FIXME(layers): engine ranks below calibrate; pass the profile in
-
         lm = load_model(model, progress=progress)
-        profile = load_or_calibrate(lm)
+        if not isinstance(profile, Profile):
+            profile = profile(lm)
         if dtype != torch.float32:
             lm.model.to(dtype)
         codec = codec_mod.Codec(profile, lm.fingerprint)
