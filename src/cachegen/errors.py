@@ -35,8 +35,20 @@ class FormatVersionError(CorruptChunk):
     """A chunk written by an incompatible format version."""
 
 
-class ProfileMismatch(CodecError):
-    """A chunk refers to a profile (codebook) or model that is not the one given."""
+class ProfileMismatch(CorruptChunk):
+    """A chunk refers to a profile (codebook) or model that is not the one given.
+
+    A kind of :class:`CorruptChunk`: to a loader, a chunk it cannot decode with
+    its profile is as unusable as a damaged one, and gets the same fallback.
+    """
+
+    def __init__(self, reason: str):
+        CodecError.__init__(self, reason)
+        self.reason = reason
+
+
+class KeyMismatch(CorruptChunk):
+    """A valid chunk stored under another chunk's key (a foreign or swapped chunk)."""
 
 
 class StoreError(CachegenError):
