@@ -37,7 +37,12 @@ def tiny_llama():
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=512, max_position_embeddings=2048,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=2048,
     )
     return LlamaForCausalLM(cfg).eval()

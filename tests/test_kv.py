@@ -1,6 +1,7 @@
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachegen.errors import ConfigError
 from cachegen.kv import KVCache, KVLayer, LayerKind
@@ -11,8 +12,14 @@ def make_kv(tokens: int, layers: int = 3, heads: int = 2, dim: int = 8, start: i
     ls = []
     for i in range(layers):
         kind = LayerKind.SLIDING if i % 2 else LayerKind.FULL
-        ls.append(KVLayer(torch.randn(heads, tokens, dim, generator=g), torch.randn(heads, tokens, dim, generator=g),
-                          kind, 16 if kind == LayerKind.SLIDING else None))
+        ls.append(
+            KVLayer(
+                torch.randn(heads, tokens, dim, generator=g),
+                torch.randn(heads, tokens, dim, generator=g),
+                kind,
+                16 if kind == LayerKind.SLIDING else None,
+            )
+        )
     return KVCache(ls, start=start)
 
 
@@ -54,7 +61,9 @@ def test_layer_shape_checks():
     with pytest.raises(ConfigError):
         KVLayer(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4), LayerKind.SLIDING)
     with pytest.raises(ConfigError):
-        KVCache([KVLayer(torch.zeros(1, 3, 4), torch.zeros(1, 3, 4)), KVLayer(torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))])
+        KVCache(
+            [KVLayer(torch.zeros(1, 3, 4), torch.zeros(1, 3, 4)), KVLayer(torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))]
+        )
 
 
 def test_sizes():

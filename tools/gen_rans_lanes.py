@@ -49,7 +49,7 @@ def source() -> str:
         "",
         "    ``words`` holds ``nwords`` stream words then at least ``S + 1`` pad words; ``packed`` is",
         "    :attr:`cachegen.codec.rans.Tables.packed` (precision <= 12, uint8 symbols). The model of",
-        "    symbol ``(t, c)`` is ``tab_idx[c] + row_idx[t]`` (both >= 0, checked by the caller).\"\"\"",
+        '    symbol ``(t, c)`` is ``tab_idx[c] + row_idx[t]`` (both >= 0, checked by the caller)."""',
         "    n = out.shape[0]",
         "    S = out.shape[1]",
         f"    rem = S % {LANES}",

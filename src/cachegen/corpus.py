@@ -74,7 +74,9 @@ def calibration_text() -> str:
     srcs = [text("pydoc-calib")] + [have[n] for n in CALIB_LICENSES if n in have]
     blocks, j = [], 0
     while any(j * CALIB_BLOCK_CHARS < len(s) for s in srcs):
-        blocks += [s[j * CALIB_BLOCK_CHARS:(j + 1) * CALIB_BLOCK_CHARS] for s in srcs if j * CALIB_BLOCK_CHARS < len(s)]
+        blocks += [
+            s[j * CALIB_BLOCK_CHARS : (j + 1) * CALIB_BLOCK_CHARS] for s in srcs if j * CALIB_BLOCK_CHARS < len(s)
+        ]
         j += 1
     return "".join(blocks)
 

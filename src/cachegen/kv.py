@@ -13,9 +13,10 @@ transformers.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Sequence
 
 import torch
 
@@ -38,7 +39,9 @@ class KVLayer:
 
     def __post_init__(self) -> None:
         if self.k.dim() != 3 or self.v.dim() != 3:
-            raise ConfigError(f"K and V must be [heads, tokens, head_dim], got {tuple(self.k.shape)} and {tuple(self.v.shape)}")
+            raise ConfigError(
+                f"K and V must be [heads, tokens, head_dim], got {tuple(self.k.shape)} and {tuple(self.v.shape)}"
+            )
         if self.k.shape[:2] != self.v.shape[:2]:
             raise ConfigError(f"K {tuple(self.k.shape)} and V {tuple(self.v.shape)} disagree on heads/tokens")
         if self.kind == LayerKind.SLIDING and not self.window:
@@ -48,7 +51,7 @@ class KVLayer:
     def num_tokens(self) -> int:
         return int(self.k.shape[1])
 
-    def slice(self, a: int, b: int) -> "KVLayer":
+    def slice(self, a: int, b: int) -> KVLayer:
         return replace(self, k=self.k[:, a:b], v=self.v[:, a:b])
 
 
@@ -95,30 +98,30 @@ class KVCache:
         return sum(l.k.numel() * l.k.element_size() + l.v.numel() * l.v.element_size() for l in self.layers)
 
     # -- operations ----------------------------------------------------------
-    def slice(self, a: int, b: int) -> "KVCache":
+    def slice(self, a: int, b: int) -> KVCache:
         """Tokens ``[a, b)`` in *absolute* positions (``start <= a <= b <= end``)."""
         if not (self.start <= a <= b <= self.end):
             raise ConfigError(f"slice [{a}, {b}) outside cache range [{self.start}, {self.end})")
         lo, hi = a - self.start, b - self.start
         return KVCache([l.slice(lo, hi) for l in self.layers], start=a, meta=dict(self.meta))
 
-    def chunks(self, chunk_tokens: int) -> list["KVCache"]:
+    def chunks(self, chunk_tokens: int) -> list[KVCache]:
         """Split into consecutive slices of ``chunk_tokens`` (the last may be shorter)."""
         if chunk_tokens <= 0:
             raise ConfigError("chunk_tokens must be positive")
         return [self.slice(a, min(a + chunk_tokens, self.end)) for a in range(self.start, self.end, chunk_tokens)]
 
-    def to(self, dtype: torch.dtype) -> "KVCache":
+    def to(self, dtype: torch.dtype) -> KVCache:
         return KVCache(
             [replace(l, k=l.k.to(dtype), v=l.v.to(dtype)) for l in self.layers], start=self.start, meta=dict(self.meta)
         )
 
-    def clone(self) -> "KVCache":
+    def clone(self) -> KVCache:
         return KVCache(
             [replace(l, k=l.k.clone(), v=l.v.clone()) for l in self.layers], start=self.start, meta=dict(self.meta)
         )
 
-    def same_layout(self, other: "KVCache") -> bool:
+    def same_layout(self, other: KVCache) -> bool:
         """True when both have the same layers, kinds, heads and head sizes."""
         if self.num_layers != other.num_layers:
             return False
@@ -130,12 +133,12 @@ class KVCache:
         return True
 
     @staticmethod
-    def concat(parts: Sequence["KVCache"]) -> "KVCache":
+    def concat(parts: Sequence[KVCache]) -> KVCache:
         """Join consecutive slices; they must be contiguous and share a layout."""
         if not parts:
             raise ConfigError("nothing to concatenate")
         first = parts[0]
-        for prev, nxt in zip(parts, parts[1:]):
+        for prev, nxt in itertools.pairwise(parts):
             if nxt.start != prev.end:
                 raise ConfigError(f"slices are not contiguous: [{prev.start}, {prev.end}) then [{nxt.start}, ...)")
             if not first.same_layout(nxt):

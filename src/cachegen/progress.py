@@ -49,8 +49,15 @@ def bar(total: int, desc: str, enabled: bool = True, unit: str = "tok") -> Any:
     """A tqdm bar on stderr, drawn only when ``enabled`` and stderr is a terminal."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, disable=not (enabled and interactive()), file=sys.stderr,
-                leave=False, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        disable=not (enabled and interactive()),
+        file=sys.stderr,
+        leave=False,
+        dynamic_ncols=True,
+    )
 
 
 class Spinner:

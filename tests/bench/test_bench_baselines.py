@@ -125,7 +125,9 @@ def test_released_quantizer_is_symmetric_absmax_per_token():
     x = np.array([[1.0, -2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
     q, mx = B.released_quantize(x, 32)  # C = 15
     assert mx.tolist() == [2.0, 0.0]
-    assert q[0].tolist() == [15 + 8, 0, 15 + 4, 15] and q[1].tolist() == [15] * 4  # round(1*15/2)=8 (half to even: 7.5->8)
+    assert (
+        q[0].tolist() == [15 + 8, 0, 15 + 4, 15] and q[1].tolist() == [15] * 4
+    )  # round(1*15/2)=8 (half to even: 7.5->8)
     back = B.released_dequantize(q, mx, 32)
     assert np.allclose(back[0], [8 / 15 * 2, -2, 4 / 15 * 2, 0]) and (back[1] == 0).all()
 
@@ -217,8 +219,15 @@ def test_chunks_are_bound_to_their_keys(name):
 
 def test_registry_and_names():
     names = [v.label for v in B.make_codecs(["fp16", "uniform8", "kivi2", "cachegen-released:2", "cachegen-released"])]
-    assert names == ["fp16", "uniform8", "kivi2", "cachegen-released/L2", "cachegen-released/L1",
-                     "cachegen-released/L2", "cachegen-released/L3"]
+    assert names == [
+        "fp16",
+        "uniform8",
+        "kivi2",
+        "cachegen-released/L2",
+        "cachegen-released/L1",
+        "cachegen-released/L2",
+        "cachegen-released/L3",
+    ]
     for v in B.make_codecs(["fp16", "kivi4", "cachegen-released"]):
         assert isinstance(v.codec, ChunkCodec)
     assert [v.row_level for v in B.make_codecs(["fp16", "cachegen-released:3"])] == [None, 3]

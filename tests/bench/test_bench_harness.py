@@ -44,8 +44,15 @@ def tiny_lm():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=260, max_position_embeddings=4096)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=260,
+        max_position_embeddings=4096,
+    )
     return _LM(LlamaForCausalLM(cfg).eval(), _byte_tokenizer())
 
 
@@ -63,7 +70,11 @@ def test_compare_is_zero_for_identical_logits(tiny_lm):
     ids = text_ids(tiny_lm.tokenizer, "pydoc-eval", 80)
     ref = reference(tiny_lm.model, ids[:64], ids[64:])
     m = compare(ref, ref.logp.clone())
-    assert m["kl"] == pytest.approx(0, abs=1e-7) and m["top1_agreement"] == 1.0 and m["ppl_delta_pct"] == pytest.approx(0, abs=1e-6)
+    assert (
+        m["kl"] == pytest.approx(0, abs=1e-7)
+        and m["top1_agreement"] == 1.0
+        and m["ppl_delta_pct"] == pytest.approx(0, abs=1e-6)
+    )
 
 
 def test_quality_end_to_end(tmp_path, tiny_lm):
@@ -71,8 +82,16 @@ def test_quality_end_to_end(tmp_path, tiny_lm):
     p.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     res = run_quality(tiny_lm, B.make_codecs(CODECS), text=str(p), context_tokens=300, continuation_tokens=24)
     rows = res["rows"]
-    assert [(r["codec"], r["level"]) for r in rows] == [("fp16", None), ("uniform8", None), ("uniform4", None),
-        ("kivi4", None), ("kivi2", None), ("cachegen-released", 1), ("cachegen-released", 2), ("cachegen-released", 3)]
+    assert [(r["codec"], r["level"]) for r in rows] == [
+        ("fp16", None),
+        ("uniform8", None),
+        ("uniform4", None),
+        ("kivi4", None),
+        ("kivi2", None),
+        ("cachegen-released", 1),
+        ("cachegen-released", 2),
+        ("cachegen-released", 3),
+    ]
     n_values = 2 * 2 * 300 * 16 * 2  # layers * (K, V) * tokens * head_dim * kv_heads
     assert res["num_values"] == n_values
     for r in rows:
@@ -121,10 +140,18 @@ def test_wilson_interval():
 
 def test_ttft_counts_the_link(tmp_path, tiny_lm):
     bw = [0.001, 1.0]  # 1 Mbit/s makes the fetch dominate
-    res = run_ttft(tiny_lm, B.make_codecs(["fp16", "kivi2"]), context_tokens=128, bandwidths_gbps=bw, tail_tokens=4,
-                   chunk_tokens=32)
+    res = run_ttft(
+        tiny_lm,
+        B.make_codecs(["fp16", "kivi2"]),
+        context_tokens=128,
+        bandwidths_gbps=bw,
+        tail_tokens=4,
+        chunk_tokens=32,
+    )
     rows = res["rows"]
-    assert {(r["method"], r["bandwidth_gbps"]) for r in rows} == {(m, b) for m in ("recompute", "fp16", "kivi2") for b in bw}
+    assert {(r["method"], r["bandwidth_gbps"]) for r in rows} == {
+        (m, b) for m in ("recompute", "fp16", "kivi2") for b in bw
+    }
     for r in rows:
         assert set(("method", "level", "bandwidth_gbps", "ttft_s")) <= set(r)
         # the fetch took at least as long as the bytes need on the link
@@ -148,9 +175,26 @@ def test_cli_quality_on_a_local_model_dir(tmp_path, tiny_lm, capsys):
     tiny_lm.tokenizer.save_pretrained(d)
     txt = tmp_path / "t.txt"
     txt.write_text("Any text file must work. " * 30)
-    rc = main(["bench", "quality", "--model", str(d), "--codecs", "fp16,kivi2", "--text", str(txt),
-               "--context-tokens", "100", "--continuation-tokens", "12", "--json", str(tmp_path / "q.json"),
-               "--plot", str(tmp_path / "q.png")])
+    rc = main(
+        [
+            "bench",
+            "quality",
+            "--model",
+            str(d),
+            "--codecs",
+            "fp16,kivi2",
+            "--text",
+            str(txt),
+            "--context-tokens",
+            "100",
+            "--continuation-tokens",
+            "12",
+            "--json",
+            str(tmp_path / "q.json"),
+            "--plot",
+            str(tmp_path / "q.png"),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "bits_per_value" in out and "kivi2" in out
@@ -184,8 +228,23 @@ def test_bench_all_quick_on_a_tiny_model(tmp_path, tiny_lm, monkeypatch):
     small = {"quality": (96, 12), "needle": (96, 2), "ttft": 96, "codec": None}
     monkeypatch.setitem(bench_all.SIZES, "quick", small)
     out = tmp_path / "out"
-    rc = main(["bench", "all", "--quick", "--skip-codec", "--skip-stream", "--skip-serve", "--skip-vllm", "--model", str(d), "--codecs", "fp16,kivi2,cachegen-released:1",
-               "--out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "all",
+            "--quick",
+            "--skip-codec",
+            "--skip-stream",
+            "--skip-serve",
+            "--skip-vllm",
+            "--model",
+            str(d),
+            "--codecs",
+            "fp16,kivi2,cachegen-released:1",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     md = (out / "results.md").read_text()
     for part in ("## Size against quality", "## Needle retrieval", "## Time to first token", "quality.png", "ttft.png"):

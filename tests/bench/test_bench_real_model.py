@@ -20,6 +20,9 @@ def test_quality_on_smollm2(smollm2):
     # plus a 32-bit scale per token and layer over 192 channels (0.17 bits/value)
     for lv in (1, 2, 3):
         assert by[("cachegen-released", lv)]["bits_per_value"] > 2.0625 + 32 / 192
-    assert (by[("cachegen-released", 1)]["size_bytes"] < by[("cachegen-released", 2)]["size_bytes"]
-            < by[("cachegen-released", 3)]["size_bytes"])
+    assert (
+        by[("cachegen-released", 1)]["size_bytes"]
+        < by[("cachegen-released", 2)]["size_bytes"]
+        < by[("cachegen-released", 3)]["size_bytes"]
+    )
     assert by[("cachegen-released", 3)]["kl"] < by[("cachegen-released", 1)]["kl"]

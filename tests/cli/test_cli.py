@@ -45,6 +45,7 @@ def assert_user_error(r: subprocess.CompletedProcess, *words: str) -> None:
 
 # -- version, help, imports ---------------------------------------------------------
 
+
 def test_version(env):
     from cachegen import __version__
 
@@ -67,8 +68,14 @@ def test_options_of_my_commands_have_help_and_shared_names():
     from cachegen.cli.main import _walk, build_parser
 
     p = build_parser(["bench", "quality"])
-    mine = {"cachegen demo", "cachegen models", "cachegen bench quality", "cachegen bench needle",
-            "cachegen bench ttft", "cachegen bench all"}
+    mine = {
+        "cachegen demo",
+        "cachegen models",
+        "cachegen bench quality",
+        "cachegen bench needle",
+        "cachegen bench ttft",
+        "cachegen bench all",
+    }
     seen = set()
     for q in _walk(p):
         if q.prog not in mine:
@@ -93,14 +100,17 @@ def test_shared_defaults_match_the_library():
 
 
 def test_cli_imports_no_torch():
-    code = ("import sys, cachegen, cachegen.cli.main as m; m.build_parser(['--help']); "
-            "print(sorted(k for k in ('torch', 'transformers', 'numba') if k in sys.modules))")
+    code = (
+        "import sys, cachegen, cachegen.cli.main as m; m.build_parser(['--help']); "
+        "print(sorted(k for k in ('torch', 'transformers', 'numba') if k in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
 
 
 # -- user mistakes: one line, status 2, before any model load -----------------------
+
 
 def test_unknown_command_and_bad_option_values(env):
     assert_user_error(cachegen(env, "frobnicate"), "invalid choice")
@@ -139,8 +149,13 @@ def test_bad_text_files(env, tmp_path, kind):
         f.write_bytes("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e ".encode("latin-1") * 20)
     elif kind == "empty":
         f.write_text("  \n\n")
-    word = {"missing": "no such file", "directory": "directory", "binary": "binary", "latin1": "UTF-8",
-            "empty": "empty"}[kind]
+    word = {
+        "missing": "no such file",
+        "directory": "directory",
+        "binary": "binary",
+        "latin1": "UTF-8",
+        "empty": "empty",
+    }[kind]
     assert_user_error(cachegen(env, "bench", "quality", "--text", f), word)
 
 
@@ -160,6 +175,7 @@ def test_checks_module_on_levels():
 
 
 # -- output ---------------------------------------------------------------------------
+
 
 def test_models_lists_without_converting(env, tmp_path):
     r = cachegen(env, "models")
@@ -191,8 +207,9 @@ def test_closed_pipe_ends_quietly(env):
 
 
 def test_head_one_in_a_shell(env):
-    r = subprocess.run(f"{' '.join(CMD)} --help | head -1", shell=True, env=env, capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        f"{' '.join(CMD)} --help | head -1", shell=True, env=env, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and r.stdout.startswith("usage: cachegen")
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
 
@@ -207,11 +224,17 @@ def test_verbosity_flags_on_every_command(env):
 
 # -- Ctrl-C ---------------------------------------------------------------------------
 
+
 @pytest.mark.model
 def test_ctrl_c_exits_130_and_the_next_run_starts_over(env, tmp_path):
     """Interrupting the one-time model conversion leaves no half-written copy."""
-    p = subprocess.Popen([*CMD, "models", "--prepare", "smollm2-135m"], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [*CMD, "models", "--prepare", "smollm2-135m"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = p.stderr.readline()  # "converting ... (once) ..." once the work has begun
         assert "converting" in line, line
@@ -227,6 +250,7 @@ def test_ctrl_c_exits_130_and_the_next_run_starts_over(env, tmp_path):
 
 
 # -- logging and bugs ----------------------------------------------------------------
+
 
 def test_verbose_shows_the_details_of_a_user_error(env):
     r = cachegen(env, "-v", "demo", "--model", "no-such-model")
@@ -310,7 +334,8 @@ def test_json_dash_for_a_bench_module_that_writes_its_own_file(tmp_path, monkeyp
         "def run(args):\n"
         "    print('a table for people')\n"
         "    open(args.json, 'w').write(json.dumps({'rows': [1, 2]}))\n"
-        "    return 0\n")
+        "    return 0\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     from cachegen.bench import cli as bench_cli
     from cachegen.cli.main import main

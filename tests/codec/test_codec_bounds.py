@@ -22,9 +22,18 @@ KEY = "0123456789abcdef" * 2
 
 def _kv(seed=0, layers=2, heads=3, tokens=40, dim=16, start=0, dtype=torch.float32) -> KVCache:
     g = torch.Generator().manual_seed(seed)
-    return KVCache([KVLayer((torch.randn(heads, tokens, dim, generator=g) + i).to(dtype),
-                            (torch.randn(heads, tokens, dim, generator=g) * 0.3).to(dtype), LayerKind.FULL, None)
-                    for i in range(layers)], start=start)
+    return KVCache(
+        [
+            KVLayer(
+                (torch.randn(heads, tokens, dim, generator=g) + i).to(dtype),
+                (torch.randn(heads, tokens, dim, generator=g) * 0.3).to(dtype),
+                LayerKind.FULL,
+                None,
+            )
+            for i in range(layers)
+        ],
+        start=start,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +48,30 @@ def _lossless_bomb(tokens: int, layers: int = 1, heads: int = 3, dim: int = 64, 
     c = heads * dim
     f = np.zeros(256, dtype="<u2")
     f[0], f[1] = freq_top, 4096 - freq_top
-    plane = f.tobytes() + struct.pack("<I", 2 * c) + np.full(c, 2, "<u4").tobytes() + np.tile(np.array([1, 0], "<u2"), c).tobytes()
+    plane = (
+        f.tobytes()
+        + struct.pack("<I", 2 * c)
+        + np.full(c, 2, "<u4").tobytes()
+        + np.tile(np.array([1, 0], "<u2"), c).tobytes()
+    )
     sec = struct.pack("<B", 4) + plane * 4
     secs = [sec] * (2 * layers)
-    h = ChunkHeader(FORMAT_VERSION, "", "", LOSSLESS, key_digest(KEY), 0, tokens, torch.float32,
-                    tuple(LayerShape(LayerKind.FULL, None, heads, dim, dim) for _ in range(layers)), 0, False,
-                    tuple(len(s) for s in secs), tuple(zlib.crc32(s) for s in secs), 0)
+    h = ChunkHeader(
+        FORMAT_VERSION,
+        "",
+        "",
+        LOSSLESS,
+        key_digest(KEY),
+        0,
+        tokens,
+        torch.float32,
+        tuple(LayerShape(LayerKind.FULL, None, heads, dim, dim) for _ in range(layers)),
+        0,
+        False,
+        tuple(len(s) for s in secs),
+        tuple(zlib.crc32(s) for s in secs),
+        0,
+    )
     return pack_header(h) + b"".join(secs)
 
 
@@ -63,9 +90,11 @@ def test_decompression_bomb_is_refused_from_the_header_with_little_memory(profil
     assert len(bomb) < 30_000 and parse_header(bomb).num_tokens == 4_194_304  # valid: its checksums hold
     smol_like = calibrate([_kv(12, layers=1, heads=3, dim=64)], "fp-bounds")
     for codec in (Codec(None, threads=1), Codec(smol_like, threads=1), Codec(None, threads=1, max_tokens=1 << 24)):
-        def dec():
+
+        def dec(codec=codec):
             with pytest.raises(CorruptChunk):
                 codec.decode(bomb, key=KEY)
+
         assert _peak_mb(dec) < 50
 
 
@@ -77,7 +106,12 @@ def test_lossless_size_is_bounded_independently_of_the_chunks_own_table():
     # the most skewed table an encoder writes still bounds the size by the payload
     with pytest.raises(CorruptChunk, match="payload size"):
         codec.decode(_lossless_bomb(codec.max_tokens, freq_top=LOSSLESS_MAX_FREQ))
-    assert _peak_mb(lambda: pytest.raises(CorruptChunk, codec.decode, _lossless_bomb(codec.max_tokens, freq_top=LOSSLESS_MAX_FREQ))) < 50
+
+    def skewed():
+        with pytest.raises(CorruptChunk):
+            codec.decode(_lossless_bomb(codec.max_tokens, freq_top=LOSSLESS_MAX_FREQ))
+
+    assert _peak_mb(skewed) < 50
 
 
 def test_constant_planes_still_round_trip_under_the_table_cap():
@@ -105,9 +139,13 @@ def test_header_fields_are_bounded(profile, level):
     with pytest.raises(CorruptChunk, match="tokens"):
         Codec(profile, threads=1, max_tokens=16).decode(data)
     shape = parse_header(data).layers[0]
-    for bad in (dataclasses.replace(shape, heads=4), dataclasses.replace(shape, k_dim=8), dataclasses.replace(shape, v_dim=32)):
+    for bad in (
+        dataclasses.replace(shape, heads=4),
+        dataclasses.replace(shape, k_dim=8),
+        dataclasses.replace(shape, v_dim=32),
+    ):
         with pytest.raises(CorruptChunk, match="layout"):
-            codec.decode(_with_header(data, layers=(bad,) + parse_header(data).layers[1:]))
+            codec.decode(_with_header(data, layers=(bad, *parse_header(data).layers[1:])))
 
 
 def test_encoder_refuses_what_a_decoder_would(profile):
@@ -154,7 +192,9 @@ def _section_edit(data: bytes, i: int, edit) -> bytes:
     return pack_header(h) + b"".join(secs)
 
 
-@pytest.mark.parametrize("dtype,nan", [(torch.float32, b"\x00\x00\xc0\x7f"), (torch.float16, b"\x00\x7c"), (torch.bfloat16, b"\x80\x7f")])
+@pytest.mark.parametrize(
+    "dtype,nan", [(torch.float32, b"\x00\x00\xc0\x7f"), (torch.float16, b"\x00\x7c"), (torch.bfloat16, b"\x80\x7f")]
+)
 def test_non_finite_values_are_corrupt(profile, dtype, nan):
     codec = Codec(profile, threads=1)
     kv = _kv(5, start=0, dtype=dtype)
@@ -175,8 +215,12 @@ def test_non_finite_values_are_corrupt(profile, dtype, nan):
     kv2 = _kv(6, dtype=dtype)
     kv2.layers[0].k[:, 10:, :] *= 1e3  # values far outside the profile's range: escapes
     esc = codec.encode(kv2, 7)
-    n_esc = [struct.unpack_from("<I", s, 4 + struct.unpack_from("<I", s, 0)[0])[0] for s in
-             (esc[o : o + n] for o, n in zip(parse_header(esc).section_offsets(), parse_header(esc).section_lengths))]
+    n_esc = [
+        struct.unpack_from("<I", s, 4 + struct.unpack_from("<I", s, 0)[0])[0]
+        for s in (
+            esc[o : o + n] for o, n in zip(parse_header(esc).section_offsets(), parse_header(esc).section_lengths)
+        )
+    ]
     assert n_esc[0] > 0
     if dtype == torch.float16:  # 2^31 steps overflow fp16 (fp32 and bf16 hold them: finite, only wrong)
         with pytest.raises(CorruptChunk, match="non-finite"):

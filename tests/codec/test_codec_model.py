@@ -28,7 +28,9 @@ def test_levels_order_quality_on_real_kv(smol):
     for lv in (1, 4, 7):
         data = [codec.encode(c, lv) for c in kv.chunks(128)]
         sizes.append(sum(map(len, data)))
-        q = measure_quality(smol.model, kv, ids[384:], lambda _: KVCache.concat([codec.decode(d) for d in data]))
+        q = measure_quality(
+            smol.model, kv, ids[384:], lambda _, data=data: KVCache.concat([codec.decode(d) for d in data])
+        )
         kls.append(q["kl"])
     assert kls[0] < kls[1] < kls[2]
     # a 384-token context right before the continuation is all "recent": the token-importance

@@ -19,8 +19,23 @@ CASES = 20_000
 
 
 def test_fuzz_20k_structured_mutations_in_a_memory_limited_subprocess():
-    r = subprocess.run([sys.executable, "-m", "cachegen.bench.fuzz", "--cases", str(CASES), "--seed", "14", "--memory-mb", "512",
-                        "--json"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cachegen.bench.fuzz",
+            "--cases",
+            str(CASES),
+            "--seed",
+            "14",
+            "--memory-mb",
+            "512",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.stdout.strip(), r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     counts = res["counts"]
@@ -52,7 +67,7 @@ def test_mutations_keep_checksums_valid():
 
 def test_check_decode_flags_what_it_must():
     corpus = fuzz.build_corpus()
-    name, data, codec = corpus.chunks[0]
+    _name, data, codec = corpus.chunks[0]
     assert fuzz.check_decode(codec, data) == "ok"
     assert fuzz.check_decode(codec, data[:-1]).startswith("corrupt:")
 

@@ -35,7 +35,10 @@ def test_roundtrip_exact(data, prec):
 def test_several_tables_and_size_near_entropy():
     rng = np.random.default_rng(1)
     sym = np.vstack([rng.geometric(0.3, size=(8, 5000)) % 16, rng.integers(0, 16, size=(8, 5000))]).astype(np.uint8)
-    models = [rans.Categorical.from_counts(np.bincount(sym[:8].ravel(), minlength=16)), rans.Categorical.from_counts(np.bincount(sym[8:].ravel(), minlength=16))]
+    models = [
+        rans.Categorical.from_counts(np.bincount(sym[:8].ravel(), minlength=16)),
+        rans.Categorical.from_counts(np.bincount(sym[8:].ravel(), minlength=16)),
+    ]
     idx = [0] * 8 + [1] * 8
     blob = rans.encode(sym, models, idx)
     assert np.array_equal(rans.decode(blob, models, idx), sym)
@@ -60,6 +63,7 @@ def test_hostile_blobs(junk, pos):
     m = rans.Categorical.from_counts(np.array([5, 3, 1, 1]), 12)
     sym = np.random.default_rng(0).integers(0, 4, size=(3, 50)).astype(np.uint8)
     good = bytearray(rans.encode(sym, [m]))
+
     def decodes_or_refuses(blob):
         """CorruptChunk, or symbols of the shape the blob's header states, inside the alphabet."""
         try:
@@ -83,7 +87,7 @@ def test_interleaved_roundtrip_exact(data, prec, ntab):
         prec = 14
     rng = np.random.default_rng(int(sym.sum()) + ntab)
     models = []
-    for k in range(ntab + 1):
+    for _k in range(ntab + 1):
         counts = np.bincount(sym.ravel().astype(np.int64), minlength=a) + rng.integers(0, 3, a) + (np.arange(a) == 0)
         models.append(rans.Categorical.from_counts(counts, prec))
     tables = rans.Tables.build(models)
@@ -170,7 +174,9 @@ def test_generated_lanes_module_is_current():
     import sys
 
     root, _ = _generator()
-    r = subprocess.run([sys.executable, str(root / "tools" / "gen_rans_lanes.py"), "--check"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(root / "tools" / "gen_rans_lanes.py"), "--check"], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
 
 

@@ -20,7 +20,9 @@ def test_rope_round_trip_and_norm(r, scale):
     s = spec(r, scale)
     y = rope(x, s, 5000)
     assert torch.allclose(unrope(y, s, 5000), x, atol=1e-5)
-    assert torch.allclose(y.norm(dim=-1) ** 2, (x[..., :r].norm(dim=-1) * scale) ** 2 + x[..., r:].norm(dim=-1) ** 2, rtol=1e-4)
+    assert torch.allclose(
+        y.norm(dim=-1) ** 2, (x[..., :r].norm(dim=-1) * scale) ** 2 + x[..., r:].norm(dim=-1) ** 2, rtol=1e-4
+    )
     if r < 16:
         assert torch.equal(y[..., r:], x[..., r:])  # channels past the rotary dim pass through
     assert not torch.allclose(rope(x, s, 7), y)  # the angle depends on the position

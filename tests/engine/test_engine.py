@@ -17,8 +17,14 @@ pytestmark = pytest.mark.model
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("store")
-    eng = Engine.open("smollm2-135m", f"file://{root}", levels=(1, 4, 7), progress=False, dtype=torch.float32,
-                      profile=load_or_calibrate)
+    eng = Engine.open(
+        "smollm2-135m",
+        f"file://{root}",
+        levels=(1, 4, 7),
+        progress=False,
+        dtype=torch.float32,
+        profile=load_or_calibrate,
+    )
     eng._costs = CostModel()  # defaults: the tests check behaviour, not timing
     yield eng
     eng.close()
@@ -115,7 +121,7 @@ def test_automatic_reuse_across_requests_and_turns(engine, tmp_path):
     same = eng.chat(msgs, p)
     assert same.cached_tokens == (len(one.prompt) - 1) // 64 * 64
     eng.writer.flush(120)
-    two = eng.chat(msgs + [{"role": "assistant", "content": one.text}, {"role": "user", "content": "Shorter."}], p)
+    two = eng.chat([*msgs, {"role": "assistant", "content": one.text}, {"role": "user", "content": "Shorter."}], p)
     assert two.cached_tokens >= (len(one.prompt) + len(one.token_ids)) // 64 * 64
     assert two.cached_tokens % 64 == 0 and not two.faults
     eng.close()

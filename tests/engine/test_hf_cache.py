@@ -72,7 +72,7 @@ def test_generate_from_injected_cache_gives_same_tokens(request, name):
     ctx, tail = ids[:, :580], ids[0, 580:].tolist()
     eos = eos_token_ids(model, lm.tokenizer)
     with torch.inference_mode():
-        full = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+        full = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :].tolist()
     kv = KVCache.concat(_extract(model, ctx).chunks(256))
     ours = greedy_generate(model, kv, tail, 12, eos)
     assert ours == full[: len(ours)] and len(ours) >= 1

@@ -54,6 +54,7 @@ def test_corrupt_copy_is_detected_and_rebuilt(smollm2, tmp_path, monkeypatch):
 
 # -- metadata without loading -----------------------------------------------------------
 
+
 def _gguf(path, arch="llama", context_length=4096):
     gguf = pytest.importorskip("gguf")
     import numpy as np

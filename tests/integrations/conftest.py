@@ -77,8 +77,11 @@ def redis_url(tmp_path_factory, vllm_env):
         pytest.fail("redis-server not found on PATH: `make redis-server` installs Debian's package")
     d = tmp_path_factory.mktemp("redis")
     port = _free_port()
-    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     import redis
 
     client = redis.Redis(host="127.0.0.1", port=port)
@@ -106,25 +109,47 @@ def drive(tmp: Path, spec: dict) -> dict:
 
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory, model_dir, prompts) -> dict:
-    return drive(tmp_path_factory.mktemp("baseline"),
-                 {"mode": "baseline", "model": model_dir, "prompts": prompts, "new_tokens": NEW_TOKENS})
+    return drive(
+        tmp_path_factory.mktemp("baseline"),
+        {"mode": "baseline", "model": model_dir, "prompts": prompts, "new_tokens": NEW_TOKENS},
+    )
 
 
 @pytest.fixture(scope="session")
 def connector_run(tmp_path_factory, model_dir, prompts, redis_url) -> dict:
     tmp = tmp_path_factory.mktemp("connector")
-    res = drive(tmp, {"mode": "connector", "model": model_dir, "prompts": prompts, "new_tokens": NEW_TOKENS,
-                      "store": redis_url, "levels": LEVELS, "policy": 0, "kv_out": str(tmp / "lossless.pt")})
+    res = drive(
+        tmp,
+        {
+            "mode": "connector",
+            "model": model_dir,
+            "prompts": prompts,
+            "new_tokens": NEW_TOKENS,
+            "store": redis_url,
+            "levels": LEVELS,
+            "policy": 0,
+            "kv_out": str(tmp / "lossless.pt"),
+        },
+    )
     res["kv_out"] = str(tmp / "lossless.pt")
     return res
 
 
 @pytest.fixture(scope="session")
 def strict_run(tmp_path_factory, model_dir, prompts, redis_url, baseline, connector_run) -> dict:
-    return drive(tmp_path_factory.mktemp("strict"),
-                 {"mode": "strict", "model": model_dir, "prompts": prompts, "new_tokens": NEW_TOKENS,
-                  "store": redis_url, "levels": LEVELS, "policy": STRICT,
-                  "continuation": baseline["runs"]["main"]["tokens"]})
+    return drive(
+        tmp_path_factory.mktemp("strict"),
+        {
+            "mode": "strict",
+            "model": model_dir,
+            "prompts": prompts,
+            "new_tokens": NEW_TOKENS,
+            "store": redis_url,
+            "levels": LEVELS,
+            "policy": STRICT,
+            "continuation": baseline["runs"]["main"]["tokens"],
+        },
+    )
 
 
 @pytest.fixture(scope="session")
@@ -133,6 +158,9 @@ def hf_reference(tmp_path_factory, model_dir, prompts) -> dict:
 
     tmp = tmp_path_factory.mktemp("hf")
     (tmp / "ids.json").write_text(json.dumps(prompts["main"]))
-    _run([_main_python(), str(HERE / "hf_reference.py"), model_dir, str(tmp / "ids.json"), str(tmp / "kv.pt")], 600,
-         "transformers reference prefill")
+    _run(
+        [_main_python(), str(HERE / "hf_reference.py"), model_dir, str(tmp / "ids.json"), str(tmp / "kv.pt")],
+        600,
+        "transformers reference prefill",
+    )
     return torch.load(tmp / "kv.pt")

@@ -22,7 +22,9 @@ def main(model: str, ids_path: str, out: str) -> None:
     # bf16 weights, but RoPE's inverse frequencies stay fp32, as in vLLM: ``.to(bf16)`` casts that
     # buffer too, and the keys' fast-rotating dims then drift with position (relative error 0.6
     # in those dims at position ~700, 0.07-0.11 over a layer's K)
-    rotary = [(m, m.inv_freq.clone()) for m in lm.model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    rotary = [
+        (m, m.inv_freq.clone()) for m in lm.model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)
+    ]
     lm.model.to(torch.bfloat16)
     for m, inv in rotary:
         m.inv_freq = inv

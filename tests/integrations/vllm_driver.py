@@ -57,11 +57,18 @@ def main(spec_path: str, out_path: str) -> None:
     from cachegen.integrations.vllm import kv_transfer_config
 
     mode = spec["mode"]
-    kw = dict(model=spec["model"], max_model_len=4096, enforce_eager=True, dtype="bfloat16",
-              enable_prefix_caching=False, seed=0)
+    kw = dict(
+        model=spec["model"],
+        max_model_len=4096,
+        enforce_eager=True,
+        dtype="bfloat16",
+        enable_prefix_caching=False,
+        seed=0,
+    )
     if mode != "baseline":
-        kw["kv_transfer_config"] = kv_transfer_config(store=spec["store"], levels=spec["levels"],
-                                                      policy=spec["policy"], slo_s=spec.get("slo_s", 30.0))
+        kw["kv_transfer_config"] = kv_transfer_config(
+            store=spec["store"], levels=spec["levels"], policy=spec["policy"], slo_s=spec.get("slo_s", 30.0)
+        )
     t = time.perf_counter()
     llm = LLM(**kw)
     out: dict = {"mode": mode, "startup_s": time.perf_counter() - t, "runs": {}}
@@ -76,7 +83,7 @@ def main(spec_path: str, out_path: str) -> None:
 
     def ranks(ids, cont):
         r = llm.generate([{"prompt_token_ids": ids + cont}], ranks_sp, use_tqdm=False)[0]
-        lps = r.prompt_logprobs[-len(cont):]
+        lps = r.prompt_logprobs[-len(cont) :]
         return [int(lp[tok].rank) for lp, tok in zip(lps, cont)]
 
     prompts = spec["prompts"]
@@ -117,8 +124,11 @@ def main(spec_path: str, out_path: str) -> None:
         one = SamplingParams(temperature=0.0, max_tokens=1)
         t = time.perf_counter()
         rs = llm.generate([{"prompt_token_ids": ids + cont[:j]} for j in range(len(cont))], one, use_tqdm=False)
-        out["runs"]["strict"] = {"top1": [int(r.outputs[0].token_ids[0]) for r in rs], "s": time.perf_counter() - t,
-                                 "stats": _both()}
+        out["runs"]["strict"] = {
+            "top1": [int(r.outputs[0].token_ids[0]) for r in rs],
+            "s": time.perf_counter() - t,
+            "stats": _both(),
+        }
     else:
         raise SystemExit(f"unknown mode {mode}")
     with open(out_path, "w") as f:

@@ -66,9 +66,14 @@ class Server:
 def start_server(tmp: Path, *args: str, env: dict | None = None) -> Server:
     log = tmp / f"server-{time.monotonic_ns()}.log"
     cmd = [sys.executable, "-m", "cachegen", "serve", "--port", "0", "--api-key", API_KEY, *args]
-    out = open(log, "w")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+    out = open(log, "w")  # noqa: SIM115 (the server writes to it until it stops)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=out,
+        text=True,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+    )
     end = time.monotonic() + START_TIMEOUT_S
     assert proc.stdout is not None
     while time.monotonic() < end:
@@ -88,8 +93,19 @@ def start_server(tmp: Path, *args: str, env: dict | None = None) -> Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    srv = start_server(tmp, "--store", f"file://{tmp / 'store'}", "--chunk-tokens", "64", "--max-queue", "2",
-                       "--read-timeout-s", "3", "--max-tokens", "64")
+    srv = start_server(
+        tmp,
+        "--store",
+        f"file://{tmp / 'store'}",
+        "--chunk-tokens",
+        "64",
+        "--max-queue",
+        "2",
+        "--read-timeout-s",
+        "3",
+        "--max-tokens",
+        "64",
+    )
     yield srv
     srv.stop()
 
@@ -113,9 +129,25 @@ def start_redis(tmp: Path) -> Redis:
     if not exe:
         pytest.fail("redis-server not found on PATH: install it with `make redis-server`", pytrace=False)
     port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--requirepass", "s3cret-pw", "--dir", str(tmp)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--requirepass",
+            "s3cret-pw",
+            "--dir",
+            str(tmp),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(200):
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):

@@ -20,8 +20,10 @@ DOC = corpus.text("pydoc-eval")[:1200]  # ~300 tokens of real text
 
 
 def _chat(doc: str, question: str) -> list[dict]:
-    return [{"role": "system", "content": "You answer questions about the document in one sentence."},
-            {"role": "user", "content": f"{doc}\n\n{question}"}]
+    return [
+        {"role": "system", "content": "You answer questions about the document in one sentence."},
+        {"role": "user", "content": f"{doc}\n\n{question}"},
+    ]
 
 
 def _error(r: httpx.Response, status: int) -> dict:
@@ -33,11 +35,13 @@ def _error(r: httpx.Response, status: int) -> dict:
 
 # -- the openai client ------------------------------------------------------------
 
+
 def test_sync_chat_with_usage_and_models(server):
     client = openai.OpenAI(base_url=server.base, api_key=API_KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
-    r = client.chat.completions.create(model="smollm2-135m", messages=_chat("Cats purr.", "What do cats do?"),
-                                       max_tokens=8, temperature=0)
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=_chat("Cats purr.", "What do cats do?"), max_tokens=8, temperature=0
+    )
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
     u = r.usage
@@ -55,8 +59,13 @@ def test_async_completion_and_stream_match(server):
         full = await client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0)
         parts, usage, finish = [], None, None
         stream = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, temperature=0,
-            stream=True, stream_options={"include_usage": True})
+            model="m",
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         async for ch in stream:
             if ch.usage is not None:
                 usage = ch.usage
@@ -67,7 +76,8 @@ def test_async_completion_and_stream_match(server):
             if ch.choices[0].finish_reason:
                 finish = ch.choices[0].finish_reason
         ref = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, temperature=0)
+            model="m", messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, temperature=0
+        )
         await client.close()
         return full, "".join(parts), usage, finish, ref
 
@@ -80,8 +90,13 @@ def test_async_completion_and_stream_match(server):
 
 
 def test_raw_sse_format(server):
-    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
-            "temperature": 0}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "stream": True,
+        "temperature": 0,
+    }
     with server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
@@ -103,6 +118,7 @@ def test_sampling_seed_is_reproducible(server):
 
 # -- automatic reuse ------------------------------------------------------------------
 
+
 def test_multi_turn_reuse(server):
     client = openai.OpenAI(base_url=server.base, api_key=API_KEY, max_retries=0)
     msgs = _chat(DOC, "What is this document about?")
@@ -112,7 +128,11 @@ def test_multi_turn_reuse(server):
     again = client.chat.completions.create(model="m", messages=msgs, max_tokens=24, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == (r1.usage.prompt_tokens - 1) // CHUNK * CHUNK
     server.wait_writes()
-    msgs2 = [*msgs, {"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "Say it in five words."}]
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "Say it in five words."},
+    ]
     r2 = client.chat.completions.create(model="m", messages=msgs2, max_tokens=8, temperature=0)
     cached = r2.usage.prompt_tokens_details.cached_tokens
     turn1 = r1.usage.prompt_tokens + r1.usage.completion_tokens
@@ -122,6 +142,7 @@ def test_multi_turn_reuse(server):
 
 
 # -- bad input ---------------------------------------------------------------------------
+
 
 def test_bad_inputs_get_openai_errors(server):
     good = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
@@ -167,8 +188,10 @@ def test_slow_bodies_do_not_hold_the_server(server):
 
     def open_slow(length: int) -> socket.socket:
         s = socket.create_connection((host, int(port)), timeout=60)
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
-                  f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n{{\"prompt".encode())
+        s.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f'Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n{{"prompt'.encode()
+        )
         return s
 
     socks = [open_slow(16 << 20) for _ in range(100)] + [open_slow(100_000) for _ in range(100)]
@@ -185,10 +208,12 @@ def test_slow_bodies_do_not_hold_the_server(server):
 
 # -- load --------------------------------------------------------------------------------
 
+
 def test_full_queue_gives_429(server):
     async def go():
-        async with httpx.AsyncClient(base_url=server.url, timeout=600,
-                                     headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        async with httpx.AsyncClient(
+            base_url=server.url, timeout=600, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as c:
             body = {"model": "m", "prompt": "Count to one hundred: 1, 2, 3,", "max_tokens": 48, "temperature": 0}
             return await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(8)])
 
@@ -201,8 +226,14 @@ def test_full_queue_gives_429(server):
 
 
 def test_disconnect_cancels_generation(server):
-    body = {"model": "m", "prompt": "Write a very long story about a dragon.", "max_tokens": 4000,
-            "temperature": 0, "stream": True, "cachegen": {"ignore_eos": True}}
+    body = {
+        "model": "m",
+        "prompt": "Write a very long story about a dragon.",
+        "max_tokens": 4000,
+        "temperature": 0,
+        "stream": True,
+        "cachegen": {"ignore_eos": True},
+    }
     with server.client() as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -217,19 +248,31 @@ def test_disconnect_cancels_generation(server):
 
 def test_metrics_and_health(server):
     with server.client() as c:
-        assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                    "max_tokens": 1}).status_code == 200
+        assert (
+            c.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+            ).status_code
+            == 200
+        )
         text = c.get("/metrics").text
         h = c.get("/health").json()
-    for name in ("cachegen_requests_total", "cachegen_ttft_seconds_bucket", "cachegen_request_seconds_bucket",
-                 "cachegen_prompt_tokens_total", "cachegen_queue_depth", "cachegen_writer_depth",
-                 "cachegen_writer_dropped_chunks_total", "cachegen_level_choices_total"):
+    for name in (
+        "cachegen_requests_total",
+        "cachegen_ttft_seconds_bucket",
+        "cachegen_request_seconds_bucket",
+        "cachegen_prompt_tokens_total",
+        "cachegen_queue_depth",
+        "cachegen_writer_depth",
+        "cachegen_writer_dropped_chunks_total",
+        "cachegen_level_choices_total",
+    ):
         assert name in text, name
     assert 'endpoint="/v1/chat/completions",status="200"' in text
     assert h["status"] == "ok" and h["store"]["state"] == "ok" and h["model"] == "smollm2-135m"
 
 
 # -- a store outage ------------------------------------------------------------------------
+
 
 def test_redis_killed_mid_request_recomputes(tmp_path):
     redis = start_redis(tmp_path)
@@ -243,16 +286,23 @@ def test_redis_killed_mid_request_recomputes(tmp_path):
             h = c.get("/health").json()
         assert h["store"]["state"] == "ok" and "s3cret-pw" not in json.dumps(h)
         # the reference: the whole prompt recomputed (what the loader does when nothing can be loaded)
-        ref = client.chat.completions.create(model="m", messages=msgs, max_tokens=12, temperature=0,
-                                             extra_body={"cachegen": {"use_cache": False, "store": False}})
+        ref = client.chat.completions.create(
+            model="m",
+            messages=msgs,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"cachegen": {"use_cache": False, "store": False}},
+        )
 
         async def go():
             a = openai.AsyncOpenAI(base_url=srv.base, api_key=API_KEY, max_retries=0)
-            blocker = asyncio.create_task(a.completions.create(model="m", prompt="Tell a story.", max_tokens=150,
-                                                               temperature=0))
+            blocker = asyncio.create_task(
+                a.completions.create(model="m", prompt="Tell a story.", max_tokens=150, temperature=0)
+            )
             await asyncio.sleep(0.3)
-            target = asyncio.create_task(a.chat.completions.create(model="m", messages=msgs, max_tokens=12,
-                                                                   temperature=0))
+            target = asyncio.create_task(
+                a.chat.completions.create(model="m", messages=msgs, max_tokens=12, temperature=0)
+            )
             await asyncio.sleep(0.3)
             redis.kill()  # the target request is in flight, waiting for the model
             out = await asyncio.gather(blocker, target)

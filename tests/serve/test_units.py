@@ -18,7 +18,7 @@ from cachegen.serve.protocol import parse
 from cachegen.serve.worker import Job, ModelWorker, QueueFull
 
 
-@pytest.mark.parametrize("doc", ['{}', '[]', '{"a": [1, {"b": []}]}', '"[[[["', '{"s": "}}]]\\"[["}', '[[[[[1]]]]]'])
+@pytest.mark.parametrize("doc", ["{}", "[]", '{"a": [1, {"b": []}]}', '"[[[["', '{"s": "}}]]\\"[["}', "[[[[[1]]]]]"])
 def test_json_depth_matches_the_parsed_nesting(doc):
     def depth(x):
         if isinstance(x, dict):
@@ -40,17 +40,36 @@ def test_deep_json_is_refused_without_parsing():
 
 
 def test_request_fields():
-    r = parse({"messages": [], "max_completion_tokens": 7, "temperature": 0, "stop": "x", "whatever": [1],
-               "stream": True, "stream_options": {"include_usage": True}, "cachegen": {"slo_s": 0.5}},
-              "chat", 256, None)
+    r = parse(
+        {
+            "messages": [],
+            "max_completion_tokens": 7,
+            "temperature": 0,
+            "stop": "x",
+            "whatever": [1],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "cachegen": {"slo_s": 0.5},
+        },
+        "chat",
+        256,
+        None,
+    )
     assert r.params.max_tokens == 7 and r.params.greedy and r.params.stop == ("x",)
     assert r.stream and r.include_usage and r.opts.slo_s == 0.5 and r.opts.use_cache
     assert parse({"prompt": "hi"}, "completion", 256, 2.0).params.max_tokens == 16
     assert parse({"prompt": [[1, 2]]}, "completion", 256, None).prompt_ids == [1, 2]
-    for bad in ({"prompt": "x", "n": 3}, {"prompt": "x", "top_p": 0}, {"prompt": "x", "seed": 1.5},
-                {"prompt": "x", "max_tokens": 0}, {"prompt": "x", "stop": ["a"] * 5}, {"prompt": 5},
-                {"prompt": [True]}, {"prompt": "x", "cachegen": {"use_cache": "no"}},
-                {"prompt": "x", "temperature": 3}):
+    for bad in (
+        {"prompt": "x", "n": 3},
+        {"prompt": "x", "top_p": 0},
+        {"prompt": "x", "seed": 1.5},
+        {"prompt": "x", "max_tokens": 0},
+        {"prompt": "x", "stop": ["a"] * 5},
+        {"prompt": 5},
+        {"prompt": [True]},
+        {"prompt": "x", "cachegen": {"use_cache": "no"}},
+        {"prompt": "x", "temperature": 3},
+    ):
         with pytest.raises(APIError) as e:
             parse(bad, "completion", 256, None)
         assert e.value.status == 400
@@ -72,7 +91,7 @@ def test_sampler():
 class _Tok:
     """Token i decodes to PIECES[i]; 9 is half a UTF-8 character until 10 follows."""
 
-    PIECES = ["Hel", "lo", " wor", "ld", "!", " S", "TOP", " more", "", "", ""]
+    PIECES = ("Hel", "lo", " wor", "ld", "!", " S", "TOP", " more", "", "", "")
 
     def decode(self, ids, skip_special_tokens=True):
         out = "".join(self.PIECES[i] for i in ids if i not in (9, 10))
@@ -159,9 +178,13 @@ def test_busy_port_is_one_line_before_the_model_loads(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "cachegen", "serve", "--port", str(port), "--store",
-                            f"file://{tmp_path}"], capture_output=True, text=True, timeout=120,
-                           env={**__import__("os").environ, "CACHEGEN_API_KEY": "k"})
+        r = subprocess.run(
+            [sys.executable, "-m", "cachegen", "serve", "--port", str(port), "--store", f"file://{tmp_path}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**__import__("os").environ, "CACHEGEN_API_KEY": "k"},
+        )
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and str(port) in lines[0] and "Traceback" not in r.stderr

@@ -42,6 +42,7 @@ def store_dir(tmp_path) -> Path:
 
 # -- Redis ---------------------------------------------------------------------
 
+
 def _redis_binaries() -> tuple[str, str]:
     server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if not server or not cli:
@@ -100,9 +101,27 @@ def start_redis(tmp: Path, cluster: bool = False) -> RedisServer:
     d = tmp / f"redis-{port}"
     d.mkdir(parents=True)
     pidfile = d / "redis.pid"
-    args = [server, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-            "--daemonize", "yes", "--pidfile", str(pidfile), "--dir", str(d), "--logfile", str(d / "log"),
-            "--enable-debug-command", "local"]  # DEBUG SLEEP, for the stalled-server tests
+    args = [
+        server,
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--daemonize",
+        "yes",
+        "--pidfile",
+        str(pidfile),
+        "--dir",
+        str(d),
+        "--logfile",
+        str(d / "log"),
+        "--enable-debug-command",
+        "local",
+    ]  # DEBUG SLEEP, for the stalled-server tests
     if cluster:
         args += ["--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf")]
     subprocess.run(args, check=True, timeout=30)
@@ -150,9 +169,18 @@ def redis_cluster(tmp_path_factory):
     nodes = [start_redis(tmp, cluster=True) for _ in range(3)]
     try:
         out = subprocess.run(
-            [nodes[0].cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
-             "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True, text=True, timeout=60,
+            [
+                nodes[0].cli,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{n.port}" for n in nodes],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert out.returncode == 0, out.stdout + out.stderr
         deadline = time.time() + 30

@@ -48,8 +48,11 @@ class RawEncoder:
 
         self.calls += 1
         l0 = kv.layers[0]
-        parts = [self._HEAD.pack(b"RAWE", kv.start, kv.num_tokens, kv.num_layers, l0.k.shape[0], l0.k.shape[2],
-                                 level, self._digest(key))]
+        parts = [
+            self._HEAD.pack(
+                b"RAWE", kv.start, kv.num_tokens, kv.num_layers, l0.k.shape[0], l0.k.shape[2], level, self._digest(key)
+            )
+        ]
         for layer in kv.layers:
             for t in (layer.k, layer.v):
                 t = t.detach().float().contiguous()
@@ -106,8 +109,10 @@ def make_kv(n_tokens: int, start: int = 0, seed: int = 0, layers: int = 2, heads
 
     g = torch.Generator().manual_seed(seed)
     return KVCache(
-        [KVLayer(torch.randn(heads, n_tokens, dim, generator=g), torch.randn(heads, n_tokens, dim, generator=g))
-         for _ in range(layers)],
+        [
+            KVLayer(torch.randn(heads, n_tokens, dim, generator=g), torch.randn(heads, n_tokens, dim, generator=g))
+            for _ in range(layers)
+        ],
         start=start,
     )
 
@@ -118,8 +123,9 @@ def ingest_kv():
 
 def spawn(*args) -> subprocess.Popen:
     """Run a worker of this module in a new process (stdout: 'ready', then 'done')."""
-    return subprocess.Popen([sys.executable, __file__, *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, __file__, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def ingest_twice(url: str, tmp_path: Path) -> None:
@@ -133,7 +139,9 @@ def ingest_twice(url: str, tmp_path: Path) -> None:
                     rc = p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     rc = None
-                raise AssertionError(f"worker said {line!r}, exit {rc}; stderr: {p.stderr.read() if rc is not None else ''}")
+                raise AssertionError(
+                    f"worker said {line!r}, exit {rc}; stderr: {p.stderr.read() if rc is not None else ''}"
+                )
         go.touch()
         for p in procs:
             out, err = p.communicate(timeout=120)
@@ -160,6 +168,7 @@ def check_one_copy(url: str) -> None:
 
 
 # -- workers -------------------------------------------------------------------
+
 
 def writer(url: str, first: str, n: str, size: str) -> None:
     """Write chunks ``first..first+n`` with three random payloads of ``size`` bytes each."""

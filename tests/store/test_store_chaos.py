@@ -21,8 +21,7 @@ def key(i: int) -> str:
 
 def blob_files(root: Path) -> list[Path]:
     """The store's own blob files (by name), regular files only."""
-    return sorted(p for p in (root / "blobs").glob("*/*")
-                  if p.is_file() and blob_name_ok(f"{p.parent.name}/{p.name}"))
+    return sorted(p for p in (root / "blobs").glob("*/*") if p.is_file() and blob_name_ok(f"{p.parent.name}/{p.name}"))
 
 
 def counter(b: LocalBackend) -> tuple[int, int, int]:
@@ -65,6 +64,7 @@ def assert_survived(files: dict[Path, bytes]) -> None:
 
 
 # -- which directories it uses -----------------------------------------------------
+
 
 def test_refuses_the_root_and_directories_it_did_not_create(tmp_path):
     for url in ("file:///", "file:/"):
@@ -133,6 +133,7 @@ def test_relative_file_urls(tmp_path, monkeypatch):
 
 # -- what it deletes -----------------------------------------------------------------
 
+
 def test_evict_and_clear_delete_only_their_own_files(tmp_path, capsys):
     from cachegen.cli.main import main
 
@@ -182,6 +183,7 @@ def test_index_rows_naming_other_files_are_never_followed(tmp_path):
 
 # -- files damaged, deleted or replaced ---------------------------------------------------
 
+
 def test_byte_counter_stays_consistent_when_payloads_are_dropped(tmp_path):
     root = tmp_path / "store"
     cs, toks = filled(root)
@@ -200,7 +202,9 @@ def test_byte_counter_stays_consistent_when_payloads_are_dropped(tmp_path):
             b.get(k, level)
     kept, indexed, on_disk = counter(b)
     assert kept == indexed == on_disk == b.stats().bytes
-    assert indexed == sum(sum(i.sizes.values()) for i in plan) - sum(plan[i].sizes[l] for i, l in ((0, 0), (1, 2), (2, 1)))
+    assert indexed == sum(sum(i.sizes.values()) for i in plan) - sum(
+        plan[i].sizes[l] for i, l in ((0, 0), (1, 2), (2, 1))
+    )
     assert [sorted(i.sizes) for i in cs.plan(toks)] == [[1, 2], [0, 1], [0, 2], [0, 1, 2]]
     assert cs.put_context(toks, make_kv(64, seed=5)) == [i.ref for i in plan[:3]]  # recomputed levels go back
     assert counter(b)[0] == counter(b)[1] == counter(b)[2]
@@ -241,6 +245,7 @@ def test_capped_ingest_leaves_no_empty_chunk_counted_as_a_context(tmp_path):
 
 
 # -- the index ---------------------------------------------------------------------------
+
 
 def _payload_bytes(cs: ContextStore, toks) -> list[dict[int, bytes]]:
     return [{l: cs.get(i.ref, l) for l in i.sizes} for i in cs.plan(toks)]

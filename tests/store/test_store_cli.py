@@ -50,13 +50,22 @@ def test_ls_and_rm(store_dir, capsys, namespace, encoder, kv_factory):
     head, *lines = capsys.readouterr().out.splitlines()
     assert head.split() == ["id", "tokens", "chunks", "levels", "bytes"]
     plans = {40: cs.plan(list(range(40))), 20: cs.plan(list(range(100, 120)))}
-    want = {p[-1].ref.key[:16]: [str(n), str(len(p)), ",".join(map(str, sorted(p[0].sizes))),
-                                  str(sum(sum(i.sizes.values()) for i in p))] for n, p in plans.items()}
+    want = {
+        p[-1].ref.key[:16]: [
+            str(n),
+            str(len(p)),
+            ",".join(map(str, sorted(p[0].sizes))),
+            str(sum(sum(i.sizes.values()) for i in p)),
+        ]
+        for n, p in plans.items()
+    }
     assert {l.split()[0]: l.split()[1:] for l in lines} == want
     assert main(["store", "ls", "--store", url, "--json", "-"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {r["id"][:16]: [str(r["tokens"]), str(r["chunks"]), ",".join(map(str, r["levels"])), str(r["bytes"])]
-            for r in rows} == want
+    assert {
+        r["id"][:16]: [str(r["tokens"]), str(r["chunks"]), ",".join(map(str, r["levels"])), str(r["bytes"])]
+        for r in rows
+    } == want
     gone = plans[40][-1].ref.key
     assert main(["store", "rm", gone[:10], "--store", url]) == 0
     assert f"removed context {gone[:16]} (3 chunks)" in capsys.readouterr().out
@@ -77,8 +86,11 @@ def test_output_into_a_closed_pipe(tmp_path, redis_url):
     b = open_backend(redis_url)
     b.put_chunks([ChunkWrite(f"{i:064x}", b"\0" * 64, {0: b"x"}, ends_context=True) for i in range(1, 3001)])
     for cmd in (["ls"], ["stats"]):
-        p = subprocess.Popen([sys.executable, "-m", "cachegen", "store", *cmd, "--store", redis_url],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "cachegen", "store", *cmd, "--store", redis_url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         first = p.stdout.readline()
         p.stdout.close()  # what `head -1` does after its line
         err = p.stderr.read().decode()
@@ -90,9 +102,13 @@ def test_output_into_a_closed_pipe(tmp_path, redis_url):
 def test_secrets_never_printed(capsys, redis_server):
     """Store URLs may carry a password: errors, reprs and faults show it masked."""
     secret = "hunter2-secret"
-    for url in (f"redis://:{secret}@127.0.0.1:1/0?timeout=0.2", f"redis://user:{secret}@127.0.0.1:1/x",
-                f"redis://127.0.0.1:{redis_server.port}/0?password={secret}", f"rediss://:{secret}@h/0",
-                f"file://user:{secret}@host/x"):
+    for url in (
+        f"redis://:{secret}@127.0.0.1:1/0?timeout=0.2",
+        f"redis://user:{secret}@127.0.0.1:1/x",
+        f"redis://127.0.0.1:{redis_server.port}/0?password={secret}",
+        f"rediss://:{secret}@h/0",
+        f"file://user:{secret}@host/x",
+    ):
         assert main(["store", "stats", "--store", url]) == 2
         err = capsys.readouterr().err
         assert err.startswith("cachegen: error:") and secret not in err, err

@@ -37,7 +37,9 @@ def test_put_lookup_plan_get(store, kv_factory):
             assert store.get(info.ref, l) == expected[l]
         assert store.tokens(info.ref) == toks[info.ref.start : info.ref.end]
     assert store.get_many([(plan[3].ref, 2), (plan[0].ref.key, 0)]) == [
-        enc.encode(kv.slice(48, 50), 2, key=plan[3].ref.key), enc.encode(kv.slice(0, 16), 0, key=plan[0].ref.key)]
+        enc.encode(kv.slice(48, 50), 2, key=plan[3].ref.key),
+        enc.encode(kv.slice(0, 16), 0, key=plan[0].ref.key),
+    ]
     stats = store.backend.stats().to_json()
     assert stats["contexts"] == 1 and stats["chunks"] == 4
     assert set(stats["levels"]) == {"0", "1", "2"} and stats["levels"]["1"]["chunks"] == 4
@@ -92,8 +94,12 @@ def test_plan_sees_chunks_after_a_hole(store, kv_factory):
     refs = store.put_context(toks, kv_factory(48))
     # a hole in the middle: the later chunk is still valid (its key covers the whole prefix)
     store.backend.clear()
-    store.backend.put_chunks([ChunkWrite(refs[0].key, token_bytes(toks[:16]), {0: b"a"}),
-                              ChunkWrite(refs[2].key, token_bytes(toks[32:]), {0: b"c"})])
+    store.backend.put_chunks(
+        [
+            ChunkWrite(refs[0].key, token_bytes(toks[:16]), {0: b"a"}),
+            ChunkWrite(refs[2].key, token_bytes(toks[32:]), {0: b"c"}),
+        ]
+    )
     assert store.lookup(toks) == 16
     assert [i.cached for i in store.plan(toks)] == [True, False, True]
 
@@ -106,6 +112,7 @@ def test_same_keys_in_every_backend(store, kv_factory):
 
 
 # -- the chunk size recorded with the namespace ------------------------------------------
+
 
 def test_a_store_keeps_one_chunk_size_per_namespace(store, kv_factory):
     toks = list(range(40))
@@ -120,7 +127,9 @@ def test_a_store_keeps_one_chunk_size_per_namespace(store, kv_factory):
     assert adopted.lookup(toks) == 40 and adopted.chunk_tokens == 16
     from dataclasses import replace
 
-    elsewhere = ContextStore(store.backend, replace(store.namespace, profile_id="another"), store.encoder, chunk_tokens=32)
+    elsewhere = ContextStore(
+        store.backend, replace(store.namespace, profile_id="another"), store.encoder, chunk_tokens=32
+    )
     assert elsewhere.lookup(toks) == 0  # another namespace keeps its own size
     elsewhere.put_context(toks, kv_factory(40), levels=[0])
     assert elsewhere.lookup(toks) == 40
@@ -131,6 +140,7 @@ def test_a_store_keeps_one_chunk_size_per_namespace(store, kv_factory):
 
 
 # -- contexts: store ls / store rm ------------------------------------------------------------
+
 
 def test_list_and_remove_contexts(store, kv_factory):
     from cachegen.store import list_contexts, remove_context
@@ -146,7 +156,12 @@ def test_list_and_remove_contexts(store, kv_factory):
     for toks in (a, b, c):
         plan = store.plan(toks)
         r = rows[len(toks)]
-        assert (r.id, r.chunks, r.bytes, r.complete) == (plan[-1].ref.key, len(plan), sum(sizes[i.ref.key] for i in plan), True)
+        assert (r.id, r.chunks, r.bytes, r.complete) == (
+            plan[-1].ref.key,
+            len(plan),
+            sum(sizes[i.ref.key] for i in plan),
+            True,
+        )
     assert rows[48].levels == [0, 1, 2] and rows[20].levels == [1]
     with pytest.raises(ConfigError, match="at least 8"):
         remove_context(store.backend, rows[68].id[:4])

@@ -67,8 +67,11 @@ def test_keys_do_not_depend_on_the_process_or_hash_seed():
 def test_namespace_separates_everything():
     toks = list(range(40))
     base = {r.key for r in chunk_keys(toks, NS, 16)}
-    for other in (Namespace("other-model", 1, "0123abcd"), Namespace("model-fp-test", 2, "0123abcd"),
-                  Namespace("model-fp-test", 1, "ffff")):
+    for other in (
+        Namespace("other-model", 1, "0123abcd"),
+        Namespace("model-fp-test", 2, "0123abcd"),
+        Namespace("model-fp-test", 1, "ffff"),
+    ):
         assert base.isdisjoint(r.key for r in chunk_keys(toks, other, 16))
     with pytest.raises(ConfigError):
         Namespace("", 1, "x")

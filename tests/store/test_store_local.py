@@ -118,7 +118,9 @@ def test_lru_eviction_under_the_cap(store_dir):
     # on a tie the later chunk of a context goes first
     with b._write() as db:
         db.execute("UPDATE chunks SET last_access=? WHERE key IN (?, ?)", (old + 90, key(2), key(4)))
-    assert b.evict(max_bytes=1000) == 2 and b.stats().bytes <= 1000  # 1, then 4 (same second as 2, later in its context)
+    assert (
+        b.evict(max_bytes=1000) == 2 and b.stats().bytes <= 1000
+    )  # 1, then 4 (same second as 2, later in its context)
     assert b.has(key(2))
 
 

@@ -18,9 +18,18 @@ def test_blob_names():
     assert blob_name_ok(f"ab/{KEY}.3.0123abcd", KEY, 3)
     assert not blob_name_ok(f"ab/{KEY}.3.0123abcd", KEY, 2)  # another level
     assert not blob_name_ok(f"ab/{KEY}.3.0123abcd", "ab" + "0" * 62)  # another chunk's file
-    for bad in (f"cd/{KEY}.3.0123abcd", f"ab/{KEY}.3.0123abcd/x", f"../ab/{KEY}.3.0123abcd", f"ab/{KEY}.x.0123abcd",
-                f"ab/{KEY.upper()}.3.0123abcd", f"/ab/{KEY}.3.0123abcd", "../../victim.txt", f"ab/{KEY}.3.0123abc",
-                f"ab/{KEY}.3.0123abcd\n", ""):
+    for bad in (
+        f"cd/{KEY}.3.0123abcd",
+        f"ab/{KEY}.3.0123abcd/x",
+        f"../ab/{KEY}.3.0123abcd",
+        f"ab/{KEY}.x.0123abcd",
+        f"ab/{KEY.upper()}.3.0123abcd",
+        f"/ab/{KEY}.3.0123abcd",
+        "../../victim.txt",
+        f"ab/{KEY}.3.0123abc",
+        f"ab/{KEY}.3.0123abcd\n",
+        "",
+    ):
         assert not blob_name_ok(bad), bad
 
 
@@ -33,9 +42,11 @@ def test_no_accepted_blob_name_leaves_its_directory(name):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet=string.ascii_letters + string.digits + "!$%^*()-_~@:", min_size=4, max_size=30),
-       st.sampled_from(["redis", "redis+cluster", "rediss", "file", "http"]),
-       st.sampled_from(["", "user"]))
+@given(
+    st.text(alphabet=string.ascii_letters + string.digits + "!$%^*()-_~@:", min_size=4, max_size=30),
+    st.sampled_from(["redis", "redis+cluster", "rediss", "file", "http"]),
+    st.sampled_from(["", "user"]),
+)
 def test_redact_hides_url_passwords(secret, scheme, user):
     secret = "SeKr1t" + secret  # never a part of the rest of the URL
     url = f"{scheme}://{user}:{secret}@host.example:6379/0?timeout=1"
@@ -45,8 +56,10 @@ def test_redact_hides_url_passwords(secret, scheme, user):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(alphabet=string.ascii_letters + string.digits, min_size=4, max_size=30),
-       st.sampled_from(["password", "token", "secret", "api_key", "apikey", "passwd"]))
+@given(
+    st.text(alphabet=string.ascii_letters + string.digits, min_size=4, max_size=30),
+    st.sampled_from(["password", "token", "secret", "api_key", "apikey", "passwd"]),
+)
 def test_redact_hides_secret_query_parameters(secret, name):
     secret = "SeKr1t" + secret
     out = redact(f"redis://h:1/0?timeout=1&{name}={secret}&ttl=5")

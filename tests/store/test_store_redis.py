@@ -47,9 +47,12 @@ def test_one_slot_per_chunk_and_ttl(url):
     c.expire(f"cg:{{{key(1)}}}:0", 5)
     b.put_chunks([ChunkWrite(key(1), b"\x05\x00\x00\x00", {1: b"c"})])
     assert c.ttl(f"cg:{{{key(1)}}}:0") > 90
-    assert b.stats().to_json() == {"contexts": 1, "chunks": 1, "bytes": 18,
-                                   "levels": {"0": {"chunks": 1, "bytes": 10}, "1": {"chunks": 1, "bytes": 1},
-                                              "3": {"chunks": 1, "bytes": 7}}}
+    assert b.stats().to_json() == {
+        "contexts": 1,
+        "chunks": 1,
+        "bytes": 18,
+        "levels": {"0": {"chunks": 1, "bytes": 10}, "1": {"chunks": 1, "bytes": 1}, "3": {"chunks": 1, "bytes": 7}},
+    }
     assert open_backend(url).evict(max_bytes=0) == 1 and b.stats().chunks == 0
 
 
@@ -91,8 +94,14 @@ def test_two_processes_ingesting_the_same_context(url, tmp_path):
 
 
 def test_bad_urls():
-    for bad in ("redis://127.0.0.1:1/x", "redis+cluster://127.0.0.1:1/3", "redis://127.0.0.1:1/0?timeout=abc",
-                "redis://127.0.0.1:1/0?nope=1", "s3://bucket", "file://"):
+    for bad in (
+        "redis://127.0.0.1:1/x",
+        "redis+cluster://127.0.0.1:1/3",
+        "redis://127.0.0.1:1/0?timeout=abc",
+        "redis://127.0.0.1:1/0?nope=1",
+        "s3://bucket",
+        "file://",
+    ):
         with pytest.raises(ConfigError):
             open_backend(bad)
     b = open_backend("redis://127.0.0.1:6390/2?timeout=0.25&ttl=60&retries=1")
@@ -100,6 +109,7 @@ def test_bad_urls():
 
 
 # -- a Redis that goes away --------------------------------------------------------
+
 
 def _filled(url: str, n: int = 8, size: int = 1 << 20) -> tuple[RedisBackend, list[tuple[str, int]]]:
     b = open_backend(url + "?timeout=0.5")
@@ -113,8 +123,12 @@ def test_killed_server_raises_store_unavailable(redis_factory):
     assert len(b.get_many(items)) == len(items)
     srv.kill()
     t = time.monotonic()
-    for call in (lambda: b.get_many(items), lambda: b.sizes(key(0)), lambda: b.put_chunk(key(9), b"", {0: b"x"}),
-                 lambda: b.stats()):
+    for call in (
+        lambda: b.get_many(items),
+        lambda: b.sizes(key(0)),
+        lambda: b.put_chunk(key(9), b"", {0: b"x"}),
+        lambda: b.stats(),
+    ):
         with pytest.raises(StoreUnavailable, match="cannot"):
             call()
     assert time.monotonic() - t < 5
@@ -197,11 +211,22 @@ def test_unreachable_store(redis_factory):
             open_backend(url).sizes(key(1))
 
 
-
 def test_cluster_node_killed_mid_use(redis_factory):
     nodes = [redis_factory(cluster=True) for _ in range(3)]
-    out = subprocess.run([nodes[0].cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
-                          "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            nodes[0].cli,
+            "--cluster",
+            "create",
+            *[f"127.0.0.1:{n.port}" for n in nodes],
+            "--cluster-replicas",
+            "0",
+            "--cluster-yes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     deadline = time.time() + 30
     while not all("cluster_state:ok" in n.command("cluster", "info") for n in nodes):

@@ -60,8 +60,9 @@ def test_paused_redis_costs_the_timeout_not_the_socket_timeout(redis_factory):
         os.kill(srv.pid(), signal.SIGCONT)
     assert max(took) < BOUND, took
     assert [i.sizes for i in cs.plan(toks, timeout=10)] == want  # and it recovers once the server does
-    assert cs.get(cs.refs(toks)[0], 0, timeout=10) == RawEncoder().encode(make_kv(64, seed=9).slice(0, 16), 0,
-                                                                          key=cs.refs(toks)[0].key)
+    assert cs.get(cs.refs(toks)[0], 0, timeout=10) == RawEncoder().encode(
+        make_kv(64, seed=9).slice(0, 16), 0, key=cs.refs(toks)[0].key
+    )
 
 
 @pytest.mark.redis
@@ -69,8 +70,11 @@ def test_sleeping_redis_costs_the_timeout(redis_factory):
     srv = redis_factory()
     cs, toks = stored(srv.url)
     want = [i.sizes for i in cs.plan(toks)]
-    sleeper = subprocess.Popen([srv.cli, "-h", "127.0.0.1", "-p", str(srv.port), "DEBUG", "SLEEP", "3"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sleeper = subprocess.Popen(
+        [srv.cli, "-h", "127.0.0.1", "-p", str(srv.port), "DEBUG", "SLEEP", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         took = []
         for _ in range(100):  # until the server is asleep (the DEBUG command has to arrive first)
@@ -93,8 +97,11 @@ def test_sleeping_redis_costs_the_timeout(redis_factory):
 def test_no_time_left_fails_at_once(any_url):
     cs, toks = stored(any_url)
     for t in (0, -1.0):
-        for call in (lambda t=t: cs.plan(toks, timeout=t), lambda t=t: cs.get(cs.refs(toks)[0], 0, timeout=t),
-                     lambda t=t: cs.backend.get_many([(cs.refs(toks)[0].key, 0)], timeout=t)):
+        for call in (
+            lambda t=t: cs.plan(toks, timeout=t),
+            lambda t=t: cs.get(cs.refs(toks)[0], 0, timeout=t),
+            lambda t=t: cs.backend.get_many([(cs.refs(toks)[0].key, 0)], timeout=t),
+        ):
             with pytest.raises(StoreUnavailable, match="ran out"):
                 call()
     assert cs.lookup(toks, timeout=30) == 64

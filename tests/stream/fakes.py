@@ -62,7 +62,7 @@ class ToyCodec:
                 scale = np.maximum(hi - lo, 1e-12) / (2**b - 1)
                 q = np.rint((a - lo) / scale).astype(np.uint8)
                 out.append(np.concatenate([lo, scale], axis=1).astype("<f4").tobytes())
-                out.append(np.packbits(np.unpackbits(q[..., None], axis=-1)[..., 8 - b:], axis=None).tobytes())
+                out.append(np.packbits(np.unpackbits(q[..., None], axis=-1)[..., 8 - b :], axis=None).tobytes())
         body = b"".join(out)
         return body + hashlib.blake2b(body, digest_size=8).digest()
 
@@ -133,8 +133,14 @@ class ToyModel:
     """A deterministic stand-in for prefill: the KV of a token depends on the token,
     its position and the prefix's last key, like a real model depends on its prefix."""
 
-    def __init__(self, layers: int = 2, heads: int = 2, head_dim: int = 8, s_per_token: float = 0.0,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        layers: int = 2,
+        heads: int = 2,
+        head_dim: int = 8,
+        s_per_token: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
         self.s_per_token = s_per_token
         self.sleep = sleep
@@ -155,8 +161,9 @@ class ToyModel:
         for li in range(self.layers):
             # each token depends on the mean key of every token before it (as attention would)
             total = float(prefix.layers[li].k.float().mean(dim=(0, 2)).sum()) if prefix is not None else 0.0
-            base = torch.stack([torch.sin(tok[:, None] * 0.37 * (d + 1) + pos[:, None] * 0.01 + h + li)
-                                for h in range(self.heads)])
+            base = torch.stack(
+                [torch.sin(tok[:, None] * 0.37 * (d + 1) + pos[:, None] * 0.01 + h + li) for h in range(self.heads)]
+            )
             k = torch.empty_like(base)
             for t in range(n):
                 ctx = total / (start + t) if start + t else 0.0
@@ -172,7 +179,7 @@ class ToyModel:
         parts: list[KVCache] = []
         for a in range(0, len(token_ids), chunk_tokens):
             prefix = KVCache.concat(parts) if parts else None
-            parts.append(self.recompute(prefix, token_ids[a:a + chunk_tokens]))
+            parts.append(self.recompute(prefix, token_ids[a : a + chunk_tokens]))
         return KVCache.concat(parts)
 
 
@@ -186,8 +193,14 @@ class FaultyStore:
     ``stall_plan``: :meth:`plan` blocks until :meth:`release`. Records every get and the
     timeouts the loader passed."""
 
-    def __init__(self, store, faults: dict[int, str] | None = None, timeout_s: float = 0.0, stall_plan: bool = False,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        store,
+        faults: dict[int, str] | None = None,
+        timeout_s: float = 0.0,
+        stall_plan: bool = False,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         self.store = store
         self.faults = dict(faults or {})
         self.timeout_s = timeout_s

@@ -46,6 +46,7 @@ MARGIN_S = 0.5  # thread hand-offs and store round trips on a busy 2-core machin
 
 # -- a private redis-server per test (it is killed or paused) --------------------------------
 
+
 @dataclass
 class Redis:
     port: int
@@ -88,14 +89,38 @@ def _free_port() -> int:
 def redis_server(tmp_path):
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("redis-server not found on PATH: the chaos tests need a real Redis "
-                    "(`make redis-server` or `apt-get install -y redis-server`)", pytrace=False)
+        pytest.fail(
+            "redis-server not found on PATH: the chaos tests need a real Redis "
+            "(`make redis-server` or `apt-get install -y redis-server`)",
+            pytrace=False,
+        )
     port = _free_port()
     pidfile = tmp_path / "redis.pid"
-    subprocess.run([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                    "--daemonize", "yes", "--pidfile", str(pidfile), "--dir", str(tmp_path),
-                    "--logfile", str(tmp_path / "redis.log"), "--enable-debug-command", "local"],
-                   check=True, timeout=30)
+    subprocess.run(
+        [
+            exe,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "yes",
+            "--pidfile",
+            str(pidfile),
+            "--dir",
+            str(tmp_path),
+            "--logfile",
+            str(tmp_path / "redis.log"),
+            "--enable-debug-command",
+            "local",
+        ],
+        check=True,
+        timeout=30,
+    )
     srv = Redis(port, pidfile)
     for _ in range(250):
         try:
@@ -110,6 +135,7 @@ def redis_server(tmp_path):
 
 
 # -- the model, the context and the reference answer (once per module) -------------------------
+
 
 @dataclass
 class Setup:
@@ -126,19 +152,20 @@ class Setup:
         return prefill(self.model, ids, prefix=prefix)
 
     def loader(self, store, policy=LOSSLESS, slo_s: float | None = 1.0, link=None) -> StreamingLoader:
-        opts = LoaderOptions(policy=policy, slo_s=slo_s, dtype=torch.bfloat16,
-                             values_per_token=values_per_token(self.model.config))
+        opts = LoaderOptions(
+            policy=policy, slo_s=slo_s, dtype=torch.bfloat16, values_per_token=values_per_token(self.model.config)
+        )
         return StreamingLoader(store, self.codec, self.recompute, opts, link=link)
 
     def answer(self, kv: KVCache) -> list[int]:
-        return greedy_generate(self.model, kv, self.ctx[kv.end:] + self.question, NEW_TOKENS)
+        return greedy_generate(self.model, kv, self.ctx[kv.end :] + self.question, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def setup(smollm2, tmp_path_factory):
     model = copy.deepcopy(smollm2.model).to(torch.bfloat16)  # the serving dtype; the shared fixture stays fp32
     ids = text_ids(smollm2.tokenizer, "pydoc-eval", N_CHUNKS * CHUNK + 24)
-    ctx, question = ids[: N_CHUNKS * CHUNK], ids[N_CHUNKS * CHUNK:]
+    ctx, question = ids[: N_CHUNKS * CHUNK], ids[N_CHUNKS * CHUNK :]
     codec = Codec(None, smollm2.fingerprint)
     ns = Namespace(f"{smollm2.fingerprint}-bfloat16", FORMAT_VERSION, "chaos")
     s = Setup(model, codec, ns, ctx, question, None, [], None)  # type: ignore[arg-type]

@@ -52,7 +52,9 @@ def make_loader(store, codec, recompute, **kw) -> StreamingLoader:
 def assert_same(a: KVCache, b: KVCache, atol=0.0):
     assert (a.start, a.end) == (b.start, b.end)
     for x, y in zip(a.layers, b.layers):
-        assert torch.allclose(x.k.float(), y.k.float(), atol=atol) and torch.allclose(x.v.float(), y.v.float(), atol=atol)
+        assert torch.allclose(x.k.float(), y.k.float(), atol=atol) and torch.allclose(
+            x.v.float(), y.v.float(), atol=atol
+        )
 
 
 def test_lossless_load_equals_cache(setup):
@@ -108,7 +110,7 @@ def test_fault_after_lossy_prefix_never_keeps_bad_chunk(setup):
     faulty = FaultyStore(store, {2: "corrupt"})
     res = make_loader(faulty, codec, model.recompute, policy=3).load(tokens)
     good = KVCache.concat([codec.decode(store.get(i.ref, 3)) for i in store.plan(tokens)[:2]])
-    expect = KVCache.concat([good, model.recompute(good, tokens[2 * CHUNK:])])
+    expect = KVCache.concat([good, model.recompute(good, tokens[2 * CHUNK :])])
     assert_same(res.kv, expect)
 
 
@@ -150,9 +152,15 @@ def test_missing_in_plan_is_recomputed_and_later_chunks_fetched(setup, tmp_path)
     # drop chunk 2 by storing everything else in a fresh store
     other = ContextStore(open_backend(f"file://{tmp_path / 'other'}"), store.namespace, codec, chunk_tokens=CHUNK)
     from cachegen.store import ChunkWrite, token_bytes
+
     raw = token_bytes(tokens)
-    other.backend.put_chunks([ChunkWrite(r.key, raw[r.start * 4:r.end * 4], {0: store.get(r, 0)}, start=r.start)
-                              for r in refs if r.index != 2])
+    other.backend.put_chunks(
+        [
+            ChunkWrite(r.key, raw[r.start * 4 : r.end * 4], {0: store.get(r, 0)}, start=r.start)
+            for r in refs
+            if r.index != 2
+        ]
+    )
     res = make_loader(other, codec, model.recompute, policy="adaptive", slo_s=10).load(tokens)
     assert res.decisions[2].choice == TEXT and res.decisions[2].reason == "not stored"
     assert all(d.choice != TEXT for k, d in enumerate(res.decisions) if k != 2)
@@ -167,7 +175,9 @@ def test_pipeline_overlaps_fetch_and_decode(setup):
     res = make_loader(store, slow_codec, model.recompute, policy=1, link=link, slo_s=None).load(tokens)
     ds = res.decisions
     # chunk i+1 was being fetched while chunk i was decoding
-    overlaps = sum(1 for a, b in itertools.pairwise(ds) if b.fetch_start < a.decode_end and b.fetch_end > a.decode_start)
+    overlaps = sum(
+        1 for a, b in itertools.pairwise(ds) if b.fetch_start < a.decode_end and b.fetch_end > a.decode_start
+    )
     assert overlaps >= 4
     # and nothing decoded before it arrived
     assert all(d.decode_start >= d.fetch_end for d in ds)
@@ -186,8 +196,18 @@ def test_adaptive_meets_deadline_and_reacts_to_drop(setup):
     costs = CostModel(fetch_latency_s=0.0005, recompute_s_per_token=1e-3)
     slo = 0.12
     # in chunk order (no recency boost: with it the last chunk, on the slow side, is fetched first)
-    loader = make_loader(store, codec, model.recompute, costs=costs, link=link, estimator=est, slo_s=slo,
-                         recency_boost=0, clock=clock, runner=VirtualRunner(clock))
+    loader = make_loader(
+        store,
+        codec,
+        model.recompute,
+        costs=costs,
+        link=link,
+        estimator=est,
+        slo_s=slo,
+        recency_boost=0,
+        clock=clock,
+        runner=VirtualRunner(clock),
+    )
     res = loader.load(tokens)
     assert not res.faults, res.faults
     ch = res.choices
@@ -204,8 +224,18 @@ def test_rule_policy_equal_share(setup):
     clock = VirtualClock()  # a 70 ms deadline: in virtual time, so a busy machine cannot miss it
     link = ThrottledLink(constant(0.002), clock=clock, sleep=clock.sleep)  # 2 Mbps
     est = ThroughputEstimator(prior_gbps=0.002, min_bytes=0)
-    loader = make_loader(store, codec, model.recompute, link=link, estimator=est, policy="rule", slo_s=0.07,
-                         costs=CostModel(fetch_latency_s=0.0), clock=clock, runner=VirtualRunner(clock))
+    loader = make_loader(
+        store,
+        codec,
+        model.recompute,
+        link=link,
+        estimator=est,
+        policy="rule",
+        slo_s=0.07,
+        costs=CostModel(fetch_latency_s=0.0),
+        clock=clock,
+        runner=VirtualRunner(clock),
+    )
     res = loader.load(tokens)
     # share 0.01 s = 2.5 KB at 2 Mbps: lossless (~8 KB) never fits, the smallest levels do
     assert 0 not in res.choices and TEXT not in res.choices, res.choices
@@ -230,7 +260,9 @@ def test_real_codec_through_local_store(tmp_path):
     model = ToyModel(layers=2, heads=2, head_dim=16)
     tokens = [(11 * i + 5) % 97 for i in range(4 * CHUNK)]
     kv = model.full(tokens, CHUNK)
-    store = ContextStore(open_backend(f"file://{tmp_path / 's'}"), Namespace("toy", 1, "none"), codec, chunk_tokens=CHUNK)
+    store = ContextStore(
+        open_backend(f"file://{tmp_path / 's'}"), Namespace("toy", 1, "none"), codec, chunk_tokens=CHUNK
+    )
     store.put_context(tokens, kv, levels=[0, 1])
     try:
         res = make_loader(store, codec, model.recompute, policy=0).load(tokens)
@@ -247,22 +279,44 @@ def test_real_codec_through_local_store(tmp_path):
 def test_cold_estimator_probes_then_persists_across_loads(setup):
     model, codec, store, tokens, _kv = setup
     est = ThroughputEstimator(min_bytes=0)  # no prior: cold
-    loader = make_loader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
-                             slo_s=5.0, costs=CostModel(fetch_latency_s=0.0))
+    loader = make_loader(
+        store,
+        codec,
+        model.recompute,
+        link=ThrottledLink(constant(1.0)),
+        estimator=est,
+        slo_s=5.0,
+        costs=CostModel(fetch_latency_s=0.0),
+    )
     first = loader.load(tokens)
     sizes = store.plan(tokens)[0].sizes
     assert first.choices[0] == min(sizes, key=lambda l: (sizes[l], -l))  # the smallest payload: a probe
     assert first.choices[1] == 0  # then measured: lossless fits
-    again = make_loader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
-                            slo_s=5.0, costs=CostModel(fetch_latency_s=0.0)).load(tokens)
+    again = make_loader(
+        store,
+        codec,
+        model.recompute,
+        link=ThrottledLink(constant(1.0)),
+        estimator=est,
+        slo_s=5.0,
+        costs=CostModel(fetch_latency_s=0.0),
+    ).load(tokens)
     assert again.choices[0] == 0  # the estimate carried over: no probe
 
 
 def test_rule_after_text_probes_in_loader(setup):
     model, codec, store, tokens, _kv = setup
     est = ThroughputEstimator(prior_gbps=1e-6, min_bytes=0)  # believed far too slow: text first
-    res = make_loader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
-                          policy="rule", slo_s=1.0, costs=CostModel(fetch_latency_s=0.0)).load(tokens)
+    res = make_loader(
+        store,
+        codec,
+        model.recompute,
+        link=ThrottledLink(constant(1.0)),
+        estimator=est,
+        policy="rule",
+        slo_s=1.0,
+        costs=CostModel(fetch_latency_s=0.0),
+    ).load(tokens)
     assert res.choices[0] == TEXT and res.choices[1] != TEXT  # not stranded on text
     assert TEXT not in res.choices[2:], res.choices
 
@@ -270,8 +324,16 @@ def test_rule_after_text_probes_in_loader(setup):
 def _warm_adaptive(store, codec, model, **kw):
     """An adaptive loader with a warm estimator on a fast link: it fetches the last chunk first."""
     est = ThroughputEstimator(prior_gbps=1.0, min_bytes=0)
-    return make_loader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est,
-                           slo_s=5.0, costs=CostModel(fetch_latency_s=0.0), **kw)
+    return make_loader(
+        store,
+        codec,
+        model.recompute,
+        link=ThrottledLink(constant(1.0)),
+        estimator=est,
+        slo_s=5.0,
+        costs=CostModel(fetch_latency_s=0.0),
+        **kw,
+    )
 
 
 def test_adaptive_fetches_the_last_chunk_first(setup):
@@ -301,7 +363,14 @@ def test_fault_on_the_early_last_chunk_recomputes_only_it(setup, fault):
 def test_planned_recompute_of_the_last_chunk_waits_for_the_others(setup):
     model, codec, store, tokens, kv = setup
     est = ThroughputEstimator(prior_gbps=1e-6, min_bytes=0)  # a dead link: recompute beats any fetch
-    res = make_loader(store, codec, model.recompute, link=ThrottledLink(constant(1.0)), estimator=est, slo_s=5.0,
-                          costs=CostModel(fetch_latency_s=0.0)).load(tokens)
+    res = make_loader(
+        store,
+        codec,
+        model.recompute,
+        link=ThrottledLink(constant(1.0)),
+        estimator=est,
+        slo_s=5.0,
+        costs=CostModel(fetch_latency_s=0.0),
+    ).load(tokens)
     assert res.decisions[6].choice == TEXT and res.decisions[6].reason == "planned"
     assert_same(res.kv, kv, atol=0.05)

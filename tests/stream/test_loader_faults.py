@@ -35,8 +35,9 @@ def setup(tmp_path):
     model = ToyModel()
     codec = ToyCodec()
     tokens = [(7 * i + 3) % 101 for i in range(N_TOKENS)]
-    store = ContextStore(open_backend(f"file://{tmp_path / 'store'}"), Namespace("toy-model", 1, "toy"), codec,
-                         chunk_tokens=CHUNK)
+    store = ContextStore(
+        open_backend(f"file://{tmp_path / 'store'}"), Namespace("toy-model", 1, "toy"), codec, chunk_tokens=CHUNK
+    )
     kv = model.full(tokens, CHUNK)
     store.put_context(tokens, kv, levels=codec.levels)
     yield model, codec, store, tokens, kv
@@ -53,9 +54,15 @@ def assert_same(a: KVCache, b: KVCache) -> None:
 
 def warm_adaptive(store, codec, model, **kw) -> StreamingLoader:
     """Adaptive, warm estimator, fast link, generous deadline: lossless everywhere, the last chunk fetched first."""
-    return StreamingLoader(store, codec, model.recompute, LoaderOptions(slo_s=5.0, **kw),
-                           link=ThrottledLink(constant(1.0)), estimator=ThroughputEstimator(prior_gbps=1.0, min_bytes=0),
-                           costs=CostModel(fetch_latency_s=0.0))
+    return StreamingLoader(
+        store,
+        codec,
+        model.recompute,
+        LoaderOptions(slo_s=5.0, **kw),
+        link=ThrottledLink(constant(1.0)),
+        estimator=ThroughputEstimator(prior_gbps=1.0, min_bytes=0),
+        costs=CostModel(fetch_latency_s=0.0),
+    )
 
 
 def test_two_faults_in_one_load(setup):
@@ -88,9 +95,17 @@ def test_three_faulty_chunks_in_one_load(setup):
     assert_same(res.kv, kv)
 
 
-@pytest.mark.parametrize("error", [MemoryError(), OverflowError("Python int too large to convert to C long"),
-                                   TypeError("a bug in the codec"), RuntimeError("numba"), KeyError("x")],
-                         ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "error",
+    [
+        MemoryError(),
+        OverflowError("Python int too large to convert to C long"),
+        TypeError("a bug in the codec"),
+        RuntimeError("numba"),
+        KeyError("x"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
 def test_any_exception_from_decode_is_a_fault(setup, error, caplog):
     model, codec, store, tokens, kv = setup
     fcodec = FaultyCodec(codec, {3 * CHUNK: error})
@@ -124,8 +139,9 @@ def test_a_bug_in_the_fetch_stage_is_a_fault(setup):
                 raise ZeroDivisionError("a bug")
             return super().add(nbytes, seconds)
 
-    res = StreamingLoader(store, codec, model.recompute, LoaderOptions(policy=0),
-                          estimator=Broken(min_bytes=0)).load(tokens)
+    res = StreamingLoader(store, codec, model.recompute, LoaderOptions(policy=0), estimator=Broken(min_bytes=0)).load(
+        tokens
+    )
     assert len(res.faults) == 1 and "fetch stage: ZeroDivisionError" in res.faults[0]
     assert res.choices == [0, 0] + [TEXT] * 5
     assert_same(res.kv, kv)
@@ -206,11 +222,19 @@ def test_nothing_is_fetched_or_decoded_after_a_fault_in_virtual_time(setup):
     recompute that follows (170 ms) would leave time for the rest."""
     _, _, store, tokens, kv = setup
     lossless = store.plan(tokens)[0].sizes[0]
-    clock, codec, model, faulty, link = _virtual(store, codec_delay=0.002 / (2 * 2 * 2 * CHUNK * 8 / 1e6),
-                                                 s_per_token=1e-3, gbps=lossless * 8 / 0.010 / 1e9)
+    clock, codec, model, faulty, link = _virtual(
+        store, codec_delay=0.002 / (2 * 2 * 2 * CHUNK * 8 / 1e6), s_per_token=1e-3, gbps=lossless * 8 / 0.010 / 1e9
+    )
     fcodec = FaultyCodec(codec, {2 * CHUNK: MemoryError()})
-    res = StreamingLoader(faulty, fcodec, model.recompute, LoaderOptions(policy=0, slo_s=None), link=link,
-                          clock=clock, runner=VirtualRunner(clock)).load(tokens)
+    res = StreamingLoader(
+        faulty,
+        fcodec,
+        model.recompute,
+        LoaderOptions(policy=0, slo_s=None),
+        link=link,
+        clock=clock,
+        runner=VirtualRunner(clock),
+    ).load(tokens)
     assert faulty.gets == [(i, 0) for i in range(4)]
     assert fcodec.decoded == [0, CHUNK, 2 * CHUNK]
     assert res.decisions[1].decode_end == pytest.approx(0.022) and res.decisions[2].decode_start == pytest.approx(0.032)
@@ -242,8 +266,19 @@ def test_a_config_error_from_the_plan_is_raised(setup):
         StreamingLoader(Mismatched(store), codec, model.recompute).load(tokens)
 
 
-@pytest.mark.parametrize("bad", [{"policy": "fast"}, {"policy": -1}, {"slo_s": 0}, {"prefetch": 0},
-                                 {"risk_quantile": 1.0}, {"reserve_s": -1}, {"safety": 0}, {"recency_boost": -1}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"policy": "fast"},
+        {"policy": -1},
+        {"slo_s": 0},
+        {"prefetch": 0},
+        {"risk_quantile": 1.0},
+        {"reserve_s": -1},
+        {"safety": 0},
+        {"recency_boost": -1},
+    ],
+)
 def test_bad_options_are_refused(bad):
     with pytest.raises(ConfigError):
         LoaderOptions(**bad)

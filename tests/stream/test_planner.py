@@ -18,15 +18,23 @@ from cachegen.stream.planner import (
     with_recency_boost,
 )
 
-COSTS = CostModel(decode_s_per_mvalue={}, decode_s_per_mvalue_default=0.002, decode_fixed_s=0.001,
-                  recompute_fixed_s=0.01, recompute_s_per_token=1e-3, recompute_s_per_token_ctx=1e-7,
-                  fetch_latency_s=0.0)
+COSTS = CostModel(
+    decode_s_per_mvalue={},
+    decode_s_per_mvalue_default=0.002,
+    decode_fixed_s=0.001,
+    recompute_fixed_s=0.01,
+    recompute_s_per_token=1e-3,
+    recompute_s_per_token_ctx=1e-7,
+    fetch_latency_s=0.0,
+)
 VPT = 11520  # SmolLM2 values per token
 
 
 def chunks(n=8, tokens=256, bits=(8.0, 5.0, 3.5, 2.5)):
-    return [PlanChunk(i, i * tokens, tokens, tokens * VPT,
-                      {l + 1: int(tokens * VPT * b / 8) for l, b in enumerate(bits)}) for i in range(n)]
+    return [
+        PlanChunk(i, i * tokens, tokens, tokens * VPT, {l + 1: int(tokens * VPT * b / 8) for l, b in enumerate(bits)})
+        for i in range(n)
+    ]
 
 
 def test_generous_deadline_picks_best_level():
@@ -104,8 +112,13 @@ def test_simulate_overlaps_fetch_and_decode():
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(1, 10), gbps=st.floats(0.001, 20), left=st.floats(-1, 5), busy=st.floats(0, 1),
-       bits=st.lists(st.floats(0.5, 16), min_size=1, max_size=5))
+@given(
+    n=st.integers(1, 10),
+    gbps=st.floats(0.001, 20),
+    left=st.floats(-1, 5),
+    busy=st.floats(0, 1),
+    bits=st.lists(st.floats(0.5, 16), min_size=1, max_size=5),
+)
 def test_choice_respects_budget(n, gbps, left, busy, bits):
     cs = chunks(n=n, bits=tuple(bits))
     state = PipelineState(time_left_s=left, cpu_busy_s=busy)
@@ -123,8 +136,10 @@ def test_choice_respects_budget(n, gbps, left, busy, bits):
             assert p.choice == min(o for o, ok in even.items() if ok)
     else:
         # nothing fits: the fastest plan
-        assert p.total_s <= min(cheapest_tail(cs[1:], gbps, COSTS, *_after(cs[0], o, gbps, state))[1]
-                                for o in fits) + 1e-12
+        assert (
+            p.total_s
+            <= min(cheapest_tail(cs[1:], gbps, COSTS, *_after(cs[0], o, gbps, state))[1] for o in fits) + 1e-12
+        )
 
 
 def _after(c, o, gbps, state):

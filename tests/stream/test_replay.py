@@ -21,21 +21,36 @@ def replay(chunks, trace, costs, slo_s, **kw):
     kw.setdefault("recency_boost", 0)
     return replay_load(chunks, trace, costs, LoaderOptions(slo_s=slo_s, **kw), **rk)
 
+
 VPT = 11520
-COSTS = CostModel(decode_s_per_mvalue={}, decode_s_per_mvalue_default=0.009, decode_fixed_s=0.002,
-                  recompute_fixed_s=0.01, recompute_s_per_token=2e-3, recompute_s_per_token_ctx=1e-6,
-                  fetch_latency_s=0.001)
+COSTS = CostModel(
+    decode_s_per_mvalue={},
+    decode_s_per_mvalue_default=0.009,
+    decode_fixed_s=0.002,
+    recompute_fixed_s=0.01,
+    recompute_s_per_token=2e-3,
+    recompute_s_per_token_ctx=1e-6,
+    fetch_latency_s=0.001,
+)
 BITS = {1: 6.0, 2: 4.5, 3: 3.5, 4: 2.8, 5: 2.2, 6: 1.6, 7: 1.1}  # roughly the codec's ladder
 
 
 def chunks(n=16, tokens=256):
-    return [PlanChunk(i, i * tokens, tokens, tokens * VPT, {l: int(tokens * VPT * b / 8) for l, b in BITS.items()})
-            for i in range(n)]
+    return [
+        PlanChunk(i, i * tokens, tokens, tokens * VPT, {l: int(tokens * VPT * b / 8) for l, b in BITS.items()})
+        for i in range(n)
+    ]
 
 
 def kw(est, **k):
-    d = dict(time_left_s=10.0, cpu_busy_s=0.0, est_gbps=est.estimate(), last_gbps=est.last(),
-             tail_gbps=est.harmonic_mean(), known=est.known)
+    d = dict(
+        time_left_s=10.0,
+        cpu_busy_s=0.0,
+        est_gbps=est.estimate(),
+        last_gbps=est.last(),
+        tail_gbps=est.harmonic_mean(),
+        known=est.known,
+    )
     d.update(k)
     return d
 
@@ -66,8 +81,7 @@ def test_rule_recovers_after_bandwidth_returns_in_sim():
     cs = chunks(8)
     tr = Trace([(0, 0.001), (2, 10.0)], by="chunk")
     # a deadline the slow probe (405 KB at 1 Mbit/s: 3.2 s) fits in
-    r = replay(cs, tr, COSTS, slo_s=10.0, policy="rule", estimator=ThroughputEstimator(prior_gbps=0.001),
-                      cpu_noise=0.0)
+    r = replay(cs, tr, COSTS, slo_s=10.0, policy="rule", estimator=ThroughputEstimator(prior_gbps=0.001), cpu_noise=0.0)
     # text, a probe (still slow), text, a probe that sees 10 Gbps, then good levels
     assert r.choices[:4] == [TEXT, 7, TEXT, 7], r.choices
     assert all(c != TEXT and c <= 2 for c in r.choices[4:]), r.choices
@@ -79,8 +93,7 @@ def test_a_fetch_still_running_at_the_deadline_is_abandoned_in_sim():
     then, so the load ends at the limit plus the recompute (exact in virtual time without noise)."""
     cs = chunks(8)
     tr = Trace([(0, 0.001), (2, 10.0)], by="chunk")
-    r = replay(cs, tr, COSTS, slo_s=2.0, policy="rule", estimator=ThroughputEstimator(prior_gbps=0.001),
-                      cpu_noise=0.0)
+    r = replay(cs, tr, COSTS, slo_s=2.0, policy="rule", estimator=ThroughputEstimator(prior_gbps=0.001), cpu_noise=0.0)
     # chunk 0 is recomputed (0.56 s); chunk 1's probe would take 3.2 s: at 2.0 s the loader gives up on it
     assert r.choices == [TEXT] * 8 and r.result.decisions[1].reason == "fault", r.choices
     assert len(r.result.faults) == 1 and "chunk 1" in r.result.faults[0]
@@ -95,8 +108,14 @@ def test_sim_constant_generous_and_tight():
     r = replay(cs, tr, COSTS, slo_s=10.0, estimator=ThroughputEstimator(prior_gbps=10.0), cpu_noise=0.0)
     assert r.choices == [1] * 16 and not r.missed
     tight = simulate(cs, [7] * 16, 0.1, COSTS) * 1.2
-    r = replay(cs, make_trace("constant:0.1", 16), COSTS, slo_s=tight,
-                      estimator=ThroughputEstimator(prior_gbps=0.1), cpu_noise=0.0)
+    r = replay(
+        cs,
+        make_trace("constant:0.1", 16),
+        COSTS,
+        slo_s=tight,
+        estimator=ThroughputEstimator(prior_gbps=0.1),
+        cpu_noise=0.0,
+    )
     assert not r.missed and r.load_s <= tight, (r.load_s, tight, r.choices)
     assert max(c for c in r.choices if c != TEXT) >= 6
 
@@ -104,10 +123,14 @@ def test_sim_constant_generous_and_tight():
 def test_sim_step_drop_reacts_within_two_chunks():
     cs = chunks()
     # what a loader that reacts one chunk late needs: L1 at 1 Gbps, one L1 chunk at 0.1, then L7 at 0.1
-    slo = simulate(cs, [1] * 9 + [7] * 7, 1.0, COSTS) + sum(
-        cs[i].sizes[c] * 8 / 0.1e9 for i, c in [(8, 1)] + [(j, 7) for j in range(9, 16)]) + 0.05
-    r = replay(cs, make_trace("step", 16), COSTS, slo_s=slo, estimator=ThroughputEstimator(prior_gbps=1.0),
-                      cpu_noise=0.0)
+    slo = (
+        simulate(cs, [1] * 9 + [7] * 7, 1.0, COSTS)
+        + sum(cs[i].sizes[c] * 8 / 0.1e9 for i, c in [(8, 1)] + [(j, 7) for j in range(9, 16)])
+        + 0.05
+    )
+    r = replay(
+        cs, make_trace("step", 16), COSTS, slo_s=slo, estimator=ThroughputEstimator(prior_gbps=1.0), cpu_noise=0.0
+    )
     assert not r.missed, (r.load_s, slo, r.choices)
     # chunk 8 is the first slow fetch: the next one is planned at the slow rate for itself but at the
     # window's harmonic mean for the rest (one slow fetch may be a dip); the second slow fetch is a
@@ -147,8 +170,11 @@ def test_risk_planning_hedges_on_a_jumpy_link_and_not_on_a_steady_one():
     for g in (0.02, 0.9, 0.05, 0.6, 0.03, 0.8, 0.1, 0.4):
         jumpy.add_gbps(g)
     k = kw(steady, time_left_s=simulate(cs, [3] * 16, 0.2, COSTS) + 0.01)
-    assert decide("adaptive", cs, COSTS, history_s_per_bit=steady.s_per_bit_history(), **k) == decide(
-        "adaptive", cs, COSTS, **k) == 3
+    assert (
+        decide("adaptive", cs, COSTS, history_s_per_bit=steady.s_per_bit_history(), **k)
+        == decide("adaptive", cs, COSTS, **k)
+        == 3
+    )
     k = kw(jumpy, time_left_s=simulate(cs, [3] * 16, min(jumpy.estimate(), jumpy.harmonic_mean()), COSTS) + 0.01)
     plain = decide("adaptive", cs, COSTS, **k)
     hedged = decide("adaptive", cs, COSTS, history_s_per_bit=jumpy.s_per_bit_history(), **k)
@@ -163,12 +189,27 @@ def test_sim_random_trace_risk_planning_and_prefetch_lower_misses():
     med = statistics.median(g for t in traces for _, g in t.points)
     slo = simulate(cs, [4] * 16, med, COSTS) + COSTS.stitch_s(sum(c.num_values for c in cs), 2) + 0.05
     miss = {}
-    for name, kw_ in (("risk", {"risk_quantile": 0.85}), ("plain", {}), ("shallow", {"prefetch": 1, "risk_quantile": 0.85}),
-                      ("rule", {})):
+    for name, kw_ in (
+        ("risk", {"risk_quantile": 0.85}),
+        ("plain", {}),
+        ("shallow", {"prefetch": 1, "risk_quantile": 0.85}),
+        ("rule", {}),
+    ):
         est = ThroughputEstimator()
-        rs = [replay(cs, t, COSTS, slo, policy="rule" if name == "rule" else "adaptive", estimator=est,
-                            seed=s, cpu_noise=0.0, **kw_)
-              for s, t in enumerate(traces)]
+        rs = [
+            replay(
+                cs,
+                t,
+                COSTS,
+                slo,
+                policy="rule" if name == "rule" else "adaptive",
+                estimator=est,
+                seed=s,
+                cpu_noise=0.0,
+                **kw_,
+            )
+            for s, t in enumerate(traces)
+        ]
         miss[name] = sum(r.missed for r in rs) / len(rs)
     assert miss["risk"] < miss["plain"] and miss["risk"] < miss["shallow"], miss
     assert miss["risk"] <= miss["rule"], miss
@@ -176,9 +217,23 @@ def test_sim_random_trace_risk_planning_and_prefetch_lower_misses():
 
 def test_sim_fetches_the_boosted_last_chunk_first():
     cs = chunks()
-    r = replay(cs, make_trace("constant:1", 16), COSTS, slo_s=10.0, estimator=ThroughputEstimator(prior_gbps=1.0),
-                      cpu_noise=0.0, recency_boost=2)
+    r = replay(
+        cs,
+        make_trace("constant:1", 16),
+        COSTS,
+        slo_s=10.0,
+        estimator=ThroughputEstimator(prior_gbps=1.0),
+        cpu_noise=0.0,
+        recency_boost=2,
+    )
     assert r.fetch_end[15] < r.fetch_end[0] < r.fetch_end[1] and r.choices == [1] * 16 and not r.missed
-    cold = replay(cs, make_trace("constant:1", 16), COSTS, slo_s=10.0, estimator=ThroughputEstimator(),
-                         cpu_noise=0.0, recency_boost=2)
+    cold = replay(
+        cs,
+        make_trace("constant:1", 16),
+        COSTS,
+        slo_s=10.0,
+        estimator=ThroughputEstimator(),
+        cpu_noise=0.0,
+        recency_boost=2,
+    )
     assert cold.fetch_end[0] < cold.fetch_end[15] < cold.fetch_end[1]  # a cold estimator probes with chunk 0

@@ -35,8 +35,16 @@ SIZES: dict[str, dict[str, Any]] = {
 
 # -- one function per benchmark (the command and bench all both call it) ----------------
 
-def quality(lm, codecs, *, context_tokens: int, continuation_tokens: int, text: str = "pydoc-eval",
-            plot: str | Path | None = None) -> dict:
+
+def quality(
+    lm,
+    codecs,
+    *,
+    context_tokens: int,
+    continuation_tokens: int,
+    text: str = "pydoc-eval",
+    plot: str | Path | None = None,
+) -> dict:
     """``bench quality``: size against KL, perplexity and top-1 agreement for every codec and level."""
     from cachegen.bench.quality import run_quality
 
@@ -46,26 +54,55 @@ def quality(lm, codecs, *, context_tokens: int, continuation_tokens: int, text: 
     return res
 
 
-def needle(lm, codecs, *, cases: int, context_tokens: int, max_new_tokens: int, seed: int = 0,
-           text: str = "pydoc-eval", plot: str | Path | None = None) -> dict:
+def needle(
+    lm,
+    codecs,
+    *,
+    cases: int,
+    context_tokens: int,
+    max_new_tokens: int,
+    seed: int = 0,
+    text: str = "pydoc-eval",
+    plot: str | Path | None = None,
+) -> dict:
     """``bench needle``: retrieval accuracy per codec and level, with Wilson intervals."""
     from cachegen.bench.needle import run_needle
 
-    res = run_needle(lm, codecs, cases=cases, context_tokens=context_tokens, max_new_tokens=max_new_tokens,
-                     seed=seed, source=text)
+    res = run_needle(
+        lm, codecs, cases=cases, context_tokens=context_tokens, max_new_tokens=max_new_tokens, seed=seed, source=text
+    )
     if plot:
         needle_plot(res, plot)
     return res
 
 
-def ttft(lm, codecs, *, context_tokens: int, bandwidths_gbps: Sequence[float] = (0.1, 1.0, 10.0),
-         link: str = "inproc", latency_s: float = 0.0, repeats: int = 1, recompute_repeats: int = 1,
-         text: str = "pydoc-eval", plot: str | Path | None = None) -> dict:
+def ttft(
+    lm,
+    codecs,
+    *,
+    context_tokens: int,
+    bandwidths_gbps: Sequence[float] = (0.1, 1.0, 10.0),
+    link: str = "inproc",
+    latency_s: float = 0.0,
+    repeats: int = 1,
+    recompute_repeats: int = 1,
+    text: str = "pydoc-eval",
+    plot: str | Path | None = None,
+) -> dict:
     """``bench ttft``: time to first token against bandwidth, per method."""
     from cachegen.bench.ttft import run_ttft
 
-    res = run_ttft(lm, codecs, context_tokens=context_tokens, bandwidths_gbps=bandwidths_gbps, link=link,
-                   latency_s=latency_s, repeats=repeats, recompute_repeats=recompute_repeats, text=text)
+    res = run_ttft(
+        lm,
+        codecs,
+        context_tokens=context_tokens,
+        bandwidths_gbps=bandwidths_gbps,
+        link=link,
+        latency_s=latency_s,
+        repeats=repeats,
+        recompute_repeats=recompute_repeats,
+        text=text,
+    )
     if plot:
         ttft_plot(res, plot)
     return res
@@ -96,7 +133,17 @@ def _run_codec_bench(model: str, out: Path, context_tokens: int | None = None) -
     return None, "could not find the arguments of cachegen bench codec"
 
 
-STREAM_COLS = ("method", "trace", "timing", "runs", "slo_s", "ttft_s_p50", "ttft_s_p95", "deadline_miss_rate", "mean_kl")
+STREAM_COLS = (
+    "method",
+    "trace",
+    "timing",
+    "runs",
+    "slo_s",
+    "ttft_s_p50",
+    "ttft_s_p95",
+    "deadline_miss_rate",
+    "mean_kl",
+)
 
 
 def _stream_section(model: str, out: Path, sizes: dict, link: str) -> list[str]:
@@ -104,26 +151,61 @@ def _stream_section(model: str, out: Path, sizes: dict, link: str) -> list[str]:
     from cachegen.bench.stream_bench import run_stream_bench
 
     n = sizes["stream"]
-    const = run_stream_bench(model, trace="constant", gbps=0.1, slo="8bit:0.4", runs=3, context_tokens=n,
-                             methods=["adaptive", "cachegen-rule", "cachegen-L1", "uniform8", "fp16", "recompute"],
-                             json_path=str(out / "stream_constant.json"), link=link, log=log.info)
-    rand = run_stream_bench(model, trace="random", slo="auto", runs=5, sim_runs=200, context_tokens=n,
-                            methods=["adaptive", "cachegen-rule"], json_path=str(out / "stream_random.json"),
-                            link=link, log=log.info)
-    step = run_stream_bench(model, trace="step", slo="trace-auto", runs=3, sim_runs=20, context_tokens=n,
-                            methods=["adaptive", "cachegen-rule", "cachegen-L1"], json_path=str(out / "stream_step.json"),
-                            link=link, log=log.info)
-    return ["## Streaming under a deadline", "",
-            f"{n}-token context in bf16. Constant 100 Mbit/s with the deadline `8bit:0.4` (0.4x what 8-bit KV needs: "
-            "its transfer plus the tail prefill, i.e. the TTFT target itself); then the random trace "
-            "(each chunk's bandwidth uniform in 0.1-10 Gbit/s) with the deadline `auto` (every chunk at the median "
-            "level at the median bandwidth); then a step from 1 to 0.1 Gbit/s in the middle of the load, deadline "
-            "`trace-auto` (the median level at each chunk's own bandwidth). "
-            "`wall` rows are real loads through the link; `virtual` rows replay "
-            "the loader's decisions against the emulated link and the calibrated cost model "
-            "(`cachegen bench stream`, see docs/streaming.md).", "",
-            table(const, STREAM_COLS, markdown=True), "", table(rand, STREAM_COLS, markdown=True), "",
-            table(step, STREAM_COLS, markdown=True), ""]
+    const = run_stream_bench(
+        model,
+        trace="constant",
+        gbps=0.1,
+        slo="8bit:0.4",
+        runs=3,
+        context_tokens=n,
+        methods=["adaptive", "cachegen-rule", "cachegen-L1", "uniform8", "fp16", "recompute"],
+        json_path=str(out / "stream_constant.json"),
+        link=link,
+        log=log.info,
+    )
+    rand = run_stream_bench(
+        model,
+        trace="random",
+        slo="auto",
+        runs=5,
+        sim_runs=200,
+        context_tokens=n,
+        methods=["adaptive", "cachegen-rule"],
+        json_path=str(out / "stream_random.json"),
+        link=link,
+        log=log.info,
+    )
+    step = run_stream_bench(
+        model,
+        trace="step",
+        slo="trace-auto",
+        runs=3,
+        sim_runs=20,
+        context_tokens=n,
+        methods=["adaptive", "cachegen-rule", "cachegen-L1"],
+        json_path=str(out / "stream_step.json"),
+        link=link,
+        log=log.info,
+    )
+    return [
+        "## Streaming under a deadline",
+        "",
+        f"{n}-token context in bf16. Constant 100 Mbit/s with the deadline `8bit:0.4` (0.4x what 8-bit KV needs: "
+        "its transfer plus the tail prefill, i.e. the TTFT target itself); then the random trace "
+        "(each chunk's bandwidth uniform in 0.1-10 Gbit/s) with the deadline `auto` (every chunk at the median "
+        "level at the median bandwidth); then a step from 1 to 0.1 Gbit/s in the middle of the load, deadline "
+        "`trace-auto` (the median level at each chunk's own bandwidth). "
+        "`wall` rows are real loads through the link; `virtual` rows replay "
+        "the loader's decisions against the emulated link and the calibrated cost model "
+        "(`cachegen bench stream`, see docs/streaming.md).",
+        "",
+        table(const, STREAM_COLS, markdown=True),
+        "",
+        table(rand, STREAM_COLS, markdown=True),
+        "",
+        table(step, STREAM_COLS, markdown=True),
+        "",
+    ]
 
 
 def run_all(
@@ -149,9 +231,13 @@ def run_all(
 
     lm = load(model, dtype)
     cods = codecs_for(lm, names)
-    md = ["# cachegen benchmark results", "",
-          f"Model `{lm.name}` ({dtype}), {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
-          f"torch {__import__('torch').__version__}, {time.strftime('%Y-%m-%d %H:%M')}.", ""]
+    md = [
+        "# cachegen benchmark results",
+        "",
+        f"Model `{lm.name}` ({dtype}), {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
+        f"torch {__import__('torch').__version__}, {time.strftime('%Y-%m-%d %H:%M')}.",
+        "",
+    ]
 
     log.info("== quality")
     t = time.perf_counter()
@@ -159,10 +245,17 @@ def run_all(
     q = quality(lm, cods, context_tokens=ctx, continuation_tokens=cont, plot=out / "quality.png")
     _save(q, out / "quality.json")
     timings["quality"] = time.perf_counter() - t
-    md += ["## Size against quality", "",
-           f"{ctx} context tokens of `{q['text']}` encoded in 256-token chunks, then a {cont}-token continuation; "
-           f"reference perplexity {q['reference_ppl']:.3f}. KL in nats/token against the unmodified cache.", "",
-           table(q["rows"], QUALITY_COLS, markdown=True), "", "![quality](quality.png)", ""]
+    md += [
+        "## Size against quality",
+        "",
+        f"{ctx} context tokens of `{q['text']}` encoded in 256-token chunks, then a {cont}-token continuation; "
+        f"reference perplexity {q['reference_ppl']:.3f}. KL in nats/token against the unmodified cache.",
+        "",
+        table(q["rows"], QUALITY_COLS, markdown=True),
+        "",
+        "![quality](quality.png)",
+        "",
+    ]
 
     log.info("== needle")
     t = time.perf_counter()
@@ -171,23 +264,44 @@ def run_all(
     n = needle(lm, cods, cases=ncases, context_tokens=nctx, max_new_tokens=8, plot=out / "needle.png")
     _save(n, out / "needle.json")
     timings["needle"] = time.perf_counter() - t
-    md += ["## Needle retrieval", "",
-           f"{ncases} cases of ~{nctx} tokens; accuracy with its 95% Wilson interval. `recompute` is the "
-           "uncompressed cache.", "", table(n["rows"], NEEDLE_COLS, markdown=True), "", "![needle](needle.png)", ""]
+    md += [
+        "## Needle retrieval",
+        "",
+        f"{ncases} cases of ~{nctx} tokens; accuracy with its 95% Wilson interval. `recompute` is the "
+        "uncompressed cache.",
+        "",
+        table(n["rows"], NEEDLE_COLS, markdown=True),
+        "",
+        "![needle](needle.png)",
+        "",
+    ]
 
     log.info("== ttft")
     t = time.perf_counter()
     # time to first token is measured in the serving dtype (bf16: 2-3x faster prefill on CPU than fp32)
     lm_serve = load(model, ttft_dtype) if ttft_dtype != dtype else lm
-    tt = ttft(lm_serve, codecs_for(lm_serve, names) if lm_serve is not lm else cods,
-              context_tokens=sizes["ttft"], link=link, repeats=2, plot=out / "ttft.png")
+    tt = ttft(
+        lm_serve,
+        codecs_for(lm_serve, names) if lm_serve is not lm else cods,
+        context_tokens=sizes["ttft"],
+        link=link,
+        repeats=2,
+        plot=out / "ttft.png",
+    )
     _save(tt, out / "ttft.json")
     timings["ttft"] = time.perf_counter() - t
-    md += ["## Time to first token", "",
-           f"Model in {ttft_dtype}. {tt['context_tokens']} context tokens, link `{tt['link']}`: fetch over the link (pipelined with "
-           "decoding), decode, cache injection and the first decoding step (best of 2 runs); recompute = fetch token ids "
-           "+ prefill (1 run).",
-           "", table(tt["rows"], TTFT_COLS, markdown=True), "", "![ttft](ttft.png)", ""]
+    md += [
+        "## Time to first token",
+        "",
+        f"Model in {ttft_dtype}. {tt['context_tokens']} context tokens, link `{tt['link']}`: fetch over the link (pipelined with "
+        "decoding), decode, cache injection and the first decoding step (best of 2 runs); recompute = fetch token ids "
+        "+ prefill (1 run).",
+        "",
+        table(tt["rows"], TTFT_COLS, markdown=True),
+        "",
+        "![ttft](ttft.png)",
+        "",
+    ]
 
     if stream:
         log.info("== stream")

@@ -23,14 +23,27 @@ log = logging.getLogger(__name__)
 DEFAULT_CODECS = "cachegen,fp16,uniform8,uniform4,kivi4,kivi2,cachegen-released"
 QUALITY_COLS = ("codec", "level", "bits_per_value", "size_bytes", "kl", "ppl_delta_pct", "top1_agreement")
 NEEDLE_COLS = ("codec", "level", "bits_per_value", "cases", "correct", "accuracy", "ci_low", "ci_high")
-TTFT_COLS = ("method", "level", "bandwidth_gbps", "ttft_s", "size_bytes", "fetch_s", "decode_s", "inject_s", "first_step_s")
+TTFT_COLS = (
+    "method",
+    "level",
+    "bandwidth_gbps",
+    "ttft_s",
+    "size_bytes",
+    "fetch_s",
+    "decode_s",
+    "inject_s",
+    "first_step_s",
+)
 DTYPES = ("float32", "bfloat16", "float16")
 
 #: bench command -> (module with ``register(sub)``, one-line help shown by ``cachegen bench --help``)
 BENCHES: dict[str, tuple[str, str]] = {
     "codec": ("cachegen.bench.codec_bench", "codec speed and bits/value on a real model's KV"),
     "stream": ("cachegen.bench.stream_bench", "TTFT and quality of streamed loads under a bandwidth trace"),
-    "vllm": ("cachegen.bench.vllm_bench", "warm TTFT and stored bytes of vLLM with cachegen's and vLLM's example KV connector"),
+    "vllm": (
+        "cachegen.bench.vllm_bench",
+        "warm TTFT and stored bytes of vLLM with cachegen's and vLLM's example KV connector",
+    ),
     "serve": ("cachegen.bench.serve_bench", "TTFT and throughput of the HTTP server under multi-round chats"),
 }
 

@@ -21,7 +21,9 @@ from cachegen.stream.costs import best_time
 def _text_ids(tok, n: int):
     import torch
 
-    text = "\n\n".join(Path(p).read_text() for p in ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0"))
+    text = "\n\n".join(
+        Path(p).read_text() for p in ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
+    )
     ids = tok(text)["input_ids"]
     while len(ids) < n:
         ids = ids + ids
@@ -41,16 +43,25 @@ def _entropy_speed(prof, kv, level: int, threads: int) -> tuple[float, float]:
         for j, (y, u) in enumerate(zip(ys, us)):
             i = 2 * li + j
             sym = section_symbols(y, u, lp.steps[i], cls[i], tables)[0]
-            jobs.append((rans.encode_interleaved(sym, cls[i] + TABLE_PAD, tables, -u), y.shape[0], cls[i] + TABLE_PAD, sym, -u))
+            jobs.append(
+                (rans.encode_interleaved(sym, cls[i] + TABLE_PAD, tables, -u), y.shape[0], cls[i] + TABLE_PAD, sym, -u)
+            )
     n = sum(j[1] * j[2].size for j in jobs)
     with ThreadPoolExecutor(threads) as ex:
-        td = best_time(lambda: list(ex.map(lambda j: rans.decode_interleaved(j[0], j[1], j[2], tables, row_shift=j[4]), jobs)), 5)
+        td = best_time(
+            lambda: list(ex.map(lambda j: rans.decode_interleaved(j[0], j[1], j[2], tables, row_shift=j[4]), jobs)), 5
+        )
         te = best_time(lambda: list(ex.map(lambda j: rans.encode_interleaved(j[3], j[2], tables, j[4]), jobs)), 5)
     return n / td / 1e6, n / te / 1e6
 
 
-def run_codec_bench(model_name: str = "smollm2-135m", context_tokens: int = 4096, json_path: str | None = None,
-                    threads: int = 2, levels=(LOSSLESS, *LEVELS)) -> list[dict]:
+def run_codec_bench(
+    model_name: str = "smollm2-135m",
+    context_tokens: int = 4096,
+    json_path: str | None = None,
+    threads: int = 2,
+    levels=(LOSSLESS, *LEVELS),
+) -> list[dict]:
     from cachegen.calibrate import context_kv, load_or_calibrate
     from cachegen.engine.models import load_model
 
@@ -62,24 +73,30 @@ def run_codec_bench(model_name: str = "smollm2-135m", context_tokens: int = 4096
     for lv in levels:
         src = kv.to(__import__("torch").bfloat16) if lv == LOSSLESS else kv
         data = codec.encode(src, lv)
-        te = best_time(lambda: codec.encode(src, lv), 5)
-        td = best_time(lambda: codec.decode(data), 5)
+        te = best_time(lambda src=src, lv=lv: codec.encode(src, lv), 5)
+        td = best_time(lambda data=data: codec.decode(data), 5)
         ent, ent_e = _entropy_speed(prof, kv, lv, threads) if lv != LOSSLESS else (float("nan"), float("nan"))
-        rows.append({
-            "codec": "cachegen" + ("-lossless-bf16" if lv == LOSSLESS else ""),
-            "level": lv,
-            "encode_mvalues_s": kv.num_values / te / 1e6,
-            "decode_mvalues_s": kv.num_values / td / 1e6,
-            "entropy_decode_msymbols_s": ent,
-            "entropy_encode_msymbols_s": ent_e,
-            "bits_per_value": len(data) * 8 / kv.num_values,
-            "encode_s": te,
-            "decode_s": td,
-        })
-    print(f"{'codec':24s} {'lvl':>3s} {'enc Mv/s':>9s} {'dec Mv/s':>9s} {'rANS dec':>9s} {'rANS enc':>9s} {'bits/val':>8s} {'enc s':>6s} {'dec s':>6s}")
+        rows.append(
+            {
+                "codec": "cachegen" + ("-lossless-bf16" if lv == LOSSLESS else ""),
+                "level": lv,
+                "encode_mvalues_s": kv.num_values / te / 1e6,
+                "decode_mvalues_s": kv.num_values / td / 1e6,
+                "entropy_decode_msymbols_s": ent,
+                "entropy_encode_msymbols_s": ent_e,
+                "bits_per_value": len(data) * 8 / kv.num_values,
+                "encode_s": te,
+                "decode_s": td,
+            }
+        )
+    print(
+        f"{'codec':24s} {'lvl':>3s} {'enc Mv/s':>9s} {'dec Mv/s':>9s} {'rANS dec':>9s} {'rANS enc':>9s} {'bits/val':>8s} {'enc s':>6s} {'dec s':>6s}"
+    )
     for r in rows:
-        print(f"{r['codec']:24s} {r['level']:3d} {r['encode_mvalues_s']:9.1f} {r['decode_mvalues_s']:9.1f} "
-              f"{r['entropy_decode_msymbols_s']:9.1f} {r['entropy_encode_msymbols_s']:9.1f} {r['bits_per_value']:8.3f} {r['encode_s']:6.3f} {r['decode_s']:6.3f}")
+        print(
+            f"{r['codec']:24s} {r['level']:3d} {r['encode_mvalues_s']:9.1f} {r['decode_mvalues_s']:9.1f} "
+            f"{r['entropy_decode_msymbols_s']:9.1f} {r['entropy_encode_msymbols_s']:9.1f} {r['bits_per_value']:8.3f} {r['encode_s']:6.3f} {r['decode_s']:6.3f}"
+        )
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1))
     return rows
@@ -93,7 +110,11 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--levels", default=",".join(map(str, (LOSSLESS, *LEVELS))))
-    p.set_defaults(func=lambda a: run_codec_bench(a.model, a.context_tokens, a.json, a.threads, tuple(int(x) for x in a.levels.split(","))))
+    p.set_defaults(
+        func=lambda a: run_codec_bench(
+            a.model, a.context_tokens, a.json, a.threads, tuple(int(x) for x in a.levels.split(","))
+        )
+    )
 
 
 if __name__ == "__main__":

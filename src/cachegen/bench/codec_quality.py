@@ -40,8 +40,16 @@ def _eval_ids(tok, path: str, n: int) -> torch.Tensor:
     return torch.tensor(ids[:n], dtype=torch.long)
 
 
-def run_rate_quality(model_name: str = "smollm2-135m", context: int = 2048, cont: int = 256, chunk: int = 256,
-                     levels=LEVELS, texts=EVAL_TEXTS, profile=None, loaded=None) -> list[dict]:
+def run_rate_quality(
+    model_name: str = "smollm2-135m",
+    context: int = 2048,
+    cont: int = 256,
+    chunk: int = 256,
+    levels=LEVELS,
+    texts=EVAL_TEXTS,
+    profile=None,
+    loaded=None,
+) -> list[dict]:
     from cachegen.engine.models import load_model
 
     m = loaded or load_model(model_name)
@@ -54,7 +62,7 @@ def run_rate_quality(model_name: str = "smollm2-135m", context: int = 2048, cont
         for lv in levels:
             nbytes = 0
 
-            def rt(x: KVCache) -> KVCache:
+            def rt(x: KVCache, lv: int = lv) -> KVCache:
                 nonlocal nbytes
                 parts = []
                 for c in x.chunks(chunk):
@@ -66,7 +74,10 @@ def run_rate_quality(model_name: str = "smollm2-135m", context: int = 2048, cont
             q = measure_quality(m.model, kv, ids[context:], rt)
             row = {"text": Path(path).name, "level": lv, "bits_per_value": nbytes * 8 / kv.num_values, **q}
             rows.append(row)
-            print(f"{row['text']:12s} L{lv}  {row['bits_per_value']:.3f} b/v  KL {q['kl']:.5f}  top1 {q['top1_agreement']:.3f}  dppl {q['ppl_delta_pct']:+.2f}%", flush=True)
+            print(
+                f"{row['text']:12s} L{lv}  {row['bits_per_value']:.3f} b/v  KL {q['kl']:.5f}  top1 {q['top1_agreement']:.3f}  dppl {q['ppl_delta_pct']:+.2f}%",
+                flush=True,
+            )
     return rows
 
 
@@ -110,8 +121,15 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         profile = load_or_calibrate(loaded, refresh=True)
         log.info("calibrated profile %s in %.1f s", profile.id, time.perf_counter() - t)
-    rows = run_rate_quality(a.model, a.context, a.cont, levels=[int(x) for x in a.levels.split(",")], texts=texts,
-                            profile=profile, loaded=loaded)
+    rows = run_rate_quality(
+        a.model,
+        a.context,
+        a.cont,
+        levels=[int(x) for x in a.levels.split(",")],
+        texts=texts,
+        profile=profile,
+        loaded=loaded,
+    )
     lic = [Path(t).name for t in texts if not t.startswith("pydoc")]
     for name, best in budget_summary(rows, lic or None).items():
         print(f"{name} budget on {', '.join(lic)}: " + (f"L{best[0]} {best[1]:.3f} b/v" if best else "no level passes"))

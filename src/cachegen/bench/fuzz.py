@@ -97,7 +97,9 @@ def build_corpus() -> Corpus:
 
 def _repack(h: ChunkHeader, sections: list[bytes]) -> bytes:
     """A chunk from a (possibly edited) header and sections, every checksum recomputed."""
-    h = dataclasses.replace(h, section_lengths=tuple(len(s) for s in sections), section_crcs=tuple(zlib.crc32(s) for s in sections))
+    h = dataclasses.replace(
+        h, section_lengths=tuple(len(s) for s in sections), section_crcs=tuple(zlib.crc32(s) for s in sections)
+    )
     return pack_header(h) + b"".join(sections)
 
 
@@ -105,13 +107,34 @@ def _sections(data: bytes, h: ChunkHeader) -> list[bytes]:
     return [data[o : o + n] for o, n in zip(h.section_offsets(), h.section_lengths)]
 
 
-_BIG = (0, 1, 2, 3, 255, 256, 4095, 4096, 65535, 65536, 1 << 22, (1 << 24) - 1, 1 << 24, (1 << 31) - 1, 1 << 31, (1 << 32) - 1)
-_BIG64 = _BIG + ((1 << 63) - 1, 1 << 63, (1 << 64) - 1)
+_BIG = (
+    0,
+    1,
+    2,
+    3,
+    255,
+    256,
+    4095,
+    4096,
+    65535,
+    65536,
+    1 << 22,
+    (1 << 24) - 1,
+    1 << 24,
+    (1 << 31) - 1,
+    1 << 31,
+    (1 << 32) - 1,
+)
+_BIG64 = (*_BIG, (1 << 63) - 1, 1 << 63, (1 << 64) - 1)
 
 
 def _value(rng: np.random.Generator, bits: int) -> int:
     pool = _BIG64 if bits == 64 else _BIG
-    v = int(rng.choice([p for p in pool if p < 1 << bits])) if rng.random() < 0.7 else int(rng.integers(0, 1 << min(bits, 62)))
+    v = (
+        int(rng.choice([p for p in pool if p < 1 << bits]))
+        if rng.random() < 0.7
+        else int(rng.integers(0, 1 << min(bits, 62)))
+    )
     return v
 
 
@@ -120,9 +143,13 @@ def _mutate_header(rng: np.random.Generator, h: ChunkHeader, secs: list[bytes]) 
     if field == 0:
         h = dataclasses.replace(h, level=int(rng.integers(0, 256)))
     elif field == 1:
-        h = dataclasses.replace(h, start=_value(rng, 64) if rng.random() < 0.5 else h.start + int(rng.integers(-8, 8)) % (1 << 64))
+        h = dataclasses.replace(
+            h, start=_value(rng, 64) if rng.random() < 0.5 else h.start + int(rng.integers(-8, 8)) % (1 << 64)
+        )
     elif field == 2:
-        h = dataclasses.replace(h, num_tokens=_value(rng, 32) if rng.random() < 0.5 else max(0, h.num_tokens + int(rng.integers(-3, 4))))
+        h = dataclasses.replace(
+            h, num_tokens=_value(rng, 32) if rng.random() < 0.5 else max(0, h.num_tokens + int(rng.integers(-3, 4)))
+        )
     elif field == 3:
         h = dataclasses.replace(h, sink_tokens=int(rng.integers(0, 10)) if rng.random() < 0.7 else _value(rng, 16))
     elif field == 4:
@@ -144,8 +171,19 @@ def _mutate_header(rng: np.random.Generator, h: ChunkHeader, secs: list[bytes]) 
         if attr == "window":
             new = dataclasses.replace(lay, kind=LayerKind.SLIDING, window=max(1, _value(rng, 32)))
         else:
-            new = dataclasses.replace(lay, **{attr: max(1, min(65535, getattr(lay, attr) + int(rng.integers(-2, 3)) if rng.random() < 0.6 else _value(rng, 16)))})
-        h = dataclasses.replace(h, layers=h.layers[:li] + (new,) + h.layers[li + 1 :])
+            new = dataclasses.replace(
+                lay,
+                **{
+                    attr: max(
+                        1,
+                        min(
+                            65535,
+                            getattr(lay, attr) + int(rng.integers(-2, 3)) if rng.random() < 0.6 else _value(rng, 16),
+                        ),
+                    )
+                },
+            )
+        h = dataclasses.replace(h, layers=(*h.layers[:li], new, *h.layers[li + 1 :]))
     else:  # layers added or dropped, sections with them
         if rng.random() < 0.5 and len(h.layers) > 1:
             h = dataclasses.replace(h, layers=h.layers[:-1])
@@ -188,7 +226,12 @@ def _mutate_lossless(rng: np.random.Generator, sec: bytes, c: int) -> bytes:
     elif what == 3:
         _put(b, p0 + 512, "<I", _value(rng, 32))
     elif what == 4:  # a stream length
-        _put(b, p0 + 516 + 4 * int(rng.integers(0, c)), "<I", _value(rng, 32) if rng.random() < 0.5 else int(rng.integers(0, 40)))
+        _put(
+            b,
+            p0 + 516 + 4 * int(rng.integers(0, c)),
+            "<I",
+            _value(rng, 32) if rng.random() < 0.5 else int(rng.integers(0, 40)),
+        )
     elif what == 5 and nw:  # a word
         _put(b, p0 + 516 + 4 * c + 2 * int(rng.integers(0, nw)), "<H", int(rng.integers(0, 65536)))
     else:  # words moved between streams: lengths still add up
@@ -219,9 +262,19 @@ def _mutate_lossy(rng: np.random.Generator, sec: bytes, has_u: bool) -> bytes:
     elif what == 2:
         _put(b, pe, "<I", _value(rng, 32) if rng.random() < 0.5 else ne + int(rng.integers(-2, 3)))
     elif what == 3 and ne:  # an escape value, up to +-2^31
-        _put(b, pe + 4 + 4 * int(rng.integers(0, ne)), "<I", int(rng.choice([2**31 - 1, -(2**31), 2**20, -(2**20), 0, 65504])))
+        _put(
+            b,
+            pe + 4 + 4 * int(rng.integers(0, ne)),
+            "<I",
+            int(rng.choice([2**31 - 1, -(2**31), 2**20, -(2**20), 0, 65504])),
+        )
     elif what == 4 and has_u:
-        _put(b, pu, "<I", _value(rng, 32) if rng.random() < 0.5 else struct.unpack_from("<I", b, pu)[0] + int(rng.integers(-2, 3)))
+        _put(
+            b,
+            pu,
+            "<I",
+            _value(rng, 32) if rng.random() < 0.5 else struct.unpack_from("<I", b, pu)[0] + int(rng.integers(-2, 3)),
+        )
     elif what == 5 and has_u and pu + 8 <= len(b):
         o = pu + 4 + 2 * int(rng.integers(0, max(1, (struct.unpack_from("<I", b, pu)[0]))))
         _put(b, o, "<H", int(rng.integers(0, 65536)))
@@ -244,7 +297,7 @@ def _mutate_inline(rng: np.random.Generator, sec: bytes) -> bytes:
     jlen = struct.unpack_from("<I", b, 6)[0]
     if rng.random() < 0.5 and jlen:
         o = 10 + int(rng.integers(0, jlen))
-        b[o] = int(rng.choice(list(b"0123456789-.e,:[]{}\" ")))
+        b[o] = int(rng.choice(list(b'0123456789-.e,:[]{}" ')))
     else:
         o = 10 + jlen + int(rng.integers(0, max(1, len(b) - 10 - jlen)))
         if o < len(b):
@@ -305,8 +358,13 @@ def limit_memory(extra_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
-def run(cases: int, seed: int = 0, extra_mb: int | None = 512, progress: Callable[[int, Counter], None] | None = None,
-        max_seconds: float | None = None) -> Counter:
+def run(
+    cases: int,
+    seed: int = 0,
+    extra_mb: int | None = 512,
+    progress: Callable[[int, Counter], None] | None = None,
+    max_seconds: float | None = None,
+) -> Counter:
     """Counts per outcome over ``cases`` mutations (the corpus round-robin), fewer if ``max_seconds`` runs out first."""
     torch.set_num_threads(1)  # tiny tensors: torch's thread pool only adds waits (50 ms per bmm on a busy machine)
     corpus = build_corpus()
@@ -333,12 +391,20 @@ def run(cases: int, seed: int = 0, extra_mb: int | None = 512, progress: Callabl
 def _worker(args: tuple[int, int, int | None, float | None]) -> Counter:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cases, seed, extra_mb, max_seconds = args
-    return run(cases, seed, extra_mb, progress=lambda i, c: log.info("seed %d: %d cases, %d failures", seed, i,
-                                                                     sum(v for k, v in c.items() if k.startswith("FAIL"))),
-               max_seconds=max_seconds)
+    return run(
+        cases,
+        seed,
+        extra_mb,
+        progress=lambda i, c: log.info(
+            "seed %d: %d cases, %d failures", seed, i, sum(v for k, v in c.items() if k.startswith("FAIL"))
+        ),
+        max_seconds=max_seconds,
+    )
 
 
-def run_parallel(cases: int, seed: int = 0, extra_mb: int | None = 512, jobs: int = 1, max_seconds: float | None = None) -> Counter:
+def run_parallel(
+    cases: int, seed: int = 0, extra_mb: int | None = 512, jobs: int = 1, max_seconds: float | None = None
+) -> Counter:
     """:func:`run` split over ``jobs`` processes (seeds ``seed .. seed + jobs - 1``), counts summed."""
     if jobs <= 1:
         return _worker((cases, seed, extra_mb, max_seconds))
@@ -353,12 +419,18 @@ def run_parallel(cases: int, seed: int = 0, extra_mb: int | None = 512, jobs: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cachegen.bench.fuzz", description="structured fuzzing of the chunk decoder")
+    ap = argparse.ArgumentParser(
+        prog="python -m cachegen.bench.fuzz", description="structured fuzzing of the chunk decoder"
+    )
     ap.add_argument("--cases", type=int, default=1_000_000, help="number of mutated chunks to decode")
     ap.add_argument("--seed", type=int, default=0, help="seed of the mutations")
-    ap.add_argument("--memory-mb", type=int, default=512, help="address space allowed above the start-up size (RLIMIT_AS)")
+    ap.add_argument(
+        "--memory-mb", type=int, default=512, help="address space allowed above the start-up size (RLIMIT_AS)"
+    )
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (each with its own seed and memory limit)")
-    ap.add_argument("--max-seconds", type=float, default=None, help="stop each worker after this long (counts so far are printed)")
+    ap.add_argument(
+        "--max-seconds", type=float, default=None, help="stop each worker after this long (counts so far are printed)"
+    )
     ap.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -367,7 +439,18 @@ def main(argv: list[str] | None = None) -> int:
     fails = sum(v for k, v in counts.items() if k.startswith("FAIL"))
     done = sum(counts.values())
     if a.json:
-        print(json.dumps({"cases": done, "requested": a.cases, "seed": a.seed, "jobs": a.jobs, "seconds": round(time.perf_counter() - t, 1), "counts": dict(counts)}))
+        print(
+            json.dumps(
+                {
+                    "cases": done,
+                    "requested": a.cases,
+                    "seed": a.seed,
+                    "jobs": a.jobs,
+                    "seconds": round(time.perf_counter() - t, 1),
+                    "counts": dict(counts),
+                }
+            )
+        )
     else:
         for k, v in sorted(counts.items(), key=lambda kv: -kv[1]):
             print(f"{v:9d}  {k}")

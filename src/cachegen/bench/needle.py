@@ -11,7 +11,7 @@ uncompressed cache (what prefilling the text gives): the reference accuracy.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -55,8 +55,9 @@ def batched_cache(kvs: Sequence[KVCache], config, dtype: torch.dtype | None = No
 
 
 @torch.inference_mode()
-def batched_greedy(model, kvs: Sequence[KVCache], tail: Sequence[int], max_new_tokens: int,
-                   eos_ids: set[int] | None = None) -> list[list[int]]:
+def batched_greedy(
+    model, kvs: Sequence[KVCache], tail: Sequence[int], max_new_tokens: int, eos_ids: set[int] | None = None
+) -> list[list[int]]:
     """Greedy decoding after each of ``kvs`` (same prompt tail), all rows in one batch.
 
     The same computation as :func:`cachegen.engine.prefill.greedy_generate` per row
@@ -128,18 +129,20 @@ def run_needle(
     for k in keys:
         lo, hi = wilson(correct[k], cases)
         c = byname.get(k)
-        rows.append({
-            "codec": c.name if c else "recompute",
-            "level": c.row_level if c else None,
-            "cases": cases,
-            "correct": correct[k],
-            "accuracy": correct[k] / cases,
-            "ci_low": lo,
-            "ci_high": hi,
-            # recompute stores token ids (4 bytes each), not KV
-            "bits_per_value": 8.0 * nbytes[k] / nvalues if c else None,
-            "sample_answers": answers[k][:3],
-        })
+        rows.append(
+            {
+                "codec": c.name if c else "recompute",
+                "level": c.row_level if c else None,
+                "cases": cases,
+                "correct": correct[k],
+                "accuracy": correct[k] / cases,
+                "ci_low": lo,
+                "ci_high": hi,
+                # recompute stores token ids (4 bytes each), not KV
+                "bits_per_value": 8.0 * nbytes[k] / nvalues if c else None,
+                "sample_answers": answers[k][:3],
+            }
+        )
     return {
         "kind": "needle",
         "model": lm.name,

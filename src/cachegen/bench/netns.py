@@ -101,9 +101,26 @@ class NetnsRedis:
             _run("ip", "link", "set", "lo", "up", ns=self.ns)
             _run("tc", "qdisc", "replace", "dev", self.veth_host, "root", *_tbf(self.gbps))
             _run("tc", "qdisc", "replace", "dev", self.veth_ns, "root", *_tbf(self.gbps), ns=self.ns)
-            _run("redis-server", "--port", str(self.port), "--bind", self.ns_ip, "--protected-mode", "no",
-                 "--save", "", "--appendonly", "no", "--daemonize", "yes", "--pidfile", str(self.pidfile),
-                 "--dir", str(self.tmp), ns=self.ns)
+            _run(
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                self.ns_ip,
+                "--protected-mode",
+                "no",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "yes",
+                "--pidfile",
+                str(self.pidfile),
+                "--dir",
+                str(self.tmp),
+                ns=self.ns,
+            )
             deadline = time.time() + 5
             while True:
                 try:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 # one colour and marker per codec family, stable across plots
 _STYLE = {
@@ -49,15 +49,22 @@ def quality_plot(result: dict, path: str | Path, kl_floor: float = 1e-7) -> Path
         xs = [r["bits_per_value"] for r in rows]
         ys = [max(r["kl"], kl_floor) for r in rows]
         color, marker = _style(name)
-        ax.plot(xs, ys, marker=marker, color=color, label=name, linestyle="-" if len(rows) > 1 else "none", markersize=7)
+        ax.plot(
+            xs, ys, marker=marker, color=color, label=name, linestyle="-" if len(rows) > 1 else "none", markersize=7
+        )
         for r, x, y in zip(rows, xs, ys):
             if r.get("level") is not None:
-                ax.annotate(f"L{r['level']}", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8, color=color)
+                ax.annotate(
+                    f"L{r['level']}", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8, color=color
+                )
     ax.set_yscale("log")
     ax.set_xlabel("bits per KV value (side information included)")
     ax.set_ylabel("KL divergence to the unmodified cache (nats/token)")
-    ax.set_title(f"{result.get('model', '')}: size vs quality, {result.get('context_tokens')} context tokens "
-                 f"of {Path(str(result.get('text', ''))).name}", fontsize=10)
+    ax.set_title(
+        f"{result.get('model', '')}: size vs quality, {result.get('context_tokens')} context tokens "
+        f"of {Path(str(result.get('text', ''))).name}",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
@@ -88,14 +95,22 @@ def ttft_plot(result: dict, path: str | Path) -> Path:
             i = sorted(lv, key=lambda x: (x is None, x)).index(level)
             color = matplotlib.colormaps[cmaps.get(name, "Greys")](0.4 + 0.55 * i / (len(lv) - 1))
         lab = name if level is None else f"{name} L{level}"
-        ax.plot([r["bandwidth_gbps"] for r in rows], [r["ttft_s"] for r in rows], marker=marker, color=color,
-                linestyle="-", label=lab)
+        ax.plot(
+            [r["bandwidth_gbps"] for r in rows],
+            [r["ttft_s"] for r in rows],
+            marker=marker,
+            color=color,
+            linestyle="-",
+            label=lab,
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("bandwidth (Gbit/s)")
     ax.set_ylabel("time to first token (s)")
-    ax.set_title(f"{result.get('model', '')}: TTFT, {result.get('context_tokens')} context tokens, "
-                 f"link {result.get('link')}", fontsize=10)
+    ax.set_title(
+        f"{result.get('model', '')}: TTFT, {result.get('context_tokens')} context tokens, link {result.get('link')}",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best", ncol=2)
     fig.tight_layout()
@@ -112,21 +127,36 @@ def needle_plot(result: dict, path: str | Path) -> Path:
     for r in result["rows"]:
         if r.get("bits_per_value") is None:
             ax.axhspan(r["ci_low"], r["ci_high"], color="black", alpha=0.08)
-            ax.axhline(r["accuracy"], color="black", linestyle="--", linewidth=1,
-                       label=f"{r['codec']} (uncompressed) {r['accuracy']:.2f}")
+            ax.axhline(
+                r["accuracy"],
+                color="black",
+                linestyle="--",
+                linewidth=1,
+                label=f"{r['codec']} (uncompressed) {r['accuracy']:.2f}",
+            )
     for name, rows in _groups([r for r in result["rows"] if r.get("bits_per_value") is not None], "codec").items():
         rows = sorted(rows, key=lambda r: r["bits_per_value"])
         color, marker = _style(name)
         xs = [r["bits_per_value"] for r in rows]
         ys = [r["accuracy"] for r in rows]
         err = [[y - r["ci_low"] for y, r in zip(ys, rows)], [r["ci_high"] - y for y, r in zip(ys, rows)]]
-        ax.errorbar(xs, ys, yerr=err, marker=marker, color=color, label=name, capsize=3,
-                    linestyle="-" if len(rows) > 1 else "none")
+        ax.errorbar(
+            xs,
+            ys,
+            yerr=err,
+            marker=marker,
+            color=color,
+            label=name,
+            capsize=3,
+            linestyle="-" if len(rows) > 1 else "none",
+        )
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("bits per KV value")
     ax.set_ylabel("needle accuracy (95% Wilson interval)")
-    ax.set_title(f"{result.get('model', '')}: needle, {result.get('cases')} cases, "
-                 f"{result.get('context_tokens')} tokens", fontsize=10)
+    ax.set_title(
+        f"{result.get('model', '')}: needle, {result.get('cases')} cases, {result.get('context_tokens')} tokens",
+        fontsize=10,
+    )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
@@ -137,6 +167,7 @@ def needle_plot(result: dict, path: str | Path) -> Path:
 
 
 # -- tables -----------------------------------------------------------------------
+
 
 def _fmt(v) -> str:
     if v is None:

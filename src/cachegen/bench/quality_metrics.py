@@ -7,7 +7,7 @@ distributions at every continuation position.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -17,10 +17,14 @@ from cachegen.kv import KVCache
 
 def _logits(model, kv: KVCache, cont_ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=cont_ids[None], cache=to_transformers(kv, model.config), use_cache=True).logits[0].float()
+        return (
+            model(input_ids=cont_ids[None], cache=to_transformers(kv, model.config), use_cache=True).logits[0].float()
+        )
 
 
-def measure_quality(model, kv_context: KVCache, cont_ids: torch.Tensor, roundtrip_fn: Callable[[KVCache], KVCache]) -> dict:
+def measure_quality(
+    model, kv_context: KVCache, cont_ids: torch.Tensor, roundtrip_fn: Callable[[KVCache], KVCache]
+) -> dict:
     """Return ``kl`` (mean KL(ref || test), nats/token), ``top1_agreement`` and ``ppl_delta_pct``.
 
     Perplexity is over ``cont_ids[1:]`` (the first continuation token is predicted by the context).

@@ -72,13 +72,22 @@ class _VirtualWork:
 
     levels: tuple[int, ...] = ()
 
-    def __init__(self, chunks: Sequence[PlanChunk], costs: CostModel, clock: VirtualClock, cpu_noise: float,
-                 seed: int, compute_s: Callable[[int, Choice], float] | None):
+    def __init__(
+        self,
+        chunks: Sequence[PlanChunk],
+        costs: CostModel,
+        clock: VirtualClock,
+        cpu_noise: float,
+        seed: int,
+        compute_s: Callable[[int, Choice], float] | None,
+    ):
         self.chunks = list(chunks)
         self.costs, self.clock, self.cpu_noise, self.compute_s = costs, clock, cpu_noise, compute_s
         self.rng = random.Random(seed)
-        self.infos = [ChunkInfo(ChunkRef(c.index, c.start, c.start + c.num_tokens, f"virtual-{c.index}"), dict(c.sizes))
-                      for c in self.chunks]
+        self.infos = [
+            ChunkInfo(ChunkRef(c.index, c.start, c.start + c.num_tokens, f"virtual-{c.index}"), dict(c.sizes))
+            for c in self.chunks
+        ]
         self._pos = {inf.ref.key: p for p, inf in enumerate(self.infos)}
         self._level: dict[str, int] = {}  # the level each chunk was fetched at
 
@@ -116,8 +125,11 @@ class _VirtualWork:
         c = self.chunks[p]
         if self.compute_s is not None:
             return self.compute_s(p, choice)
-        pred = (self.costs.recompute_s(c.start, c.num_tokens) if choice == TEXT
-                else self.costs.decode_s(int(choice), c.num_values or 1))
+        pred = (
+            self.costs.recompute_s(c.start, c.num_tokens)
+            if choice == TEXT
+            else self.costs.decode_s(int(choice), c.num_values or 1)
+        )
         return pred * math.exp(self.rng.gauss(0.0, self.cpu_noise)) if self.cpu_noise else pred
 
     @staticmethod
@@ -126,10 +138,17 @@ class _VirtualWork:
         return KVCache([KVLayer(z, z)], start=start)
 
 
-def replay_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, options: LoaderOptions,
-                estimator: ThroughputEstimator | None = None, latency_s: float | None = None,
-                cpu_noise: float = 0.2, seed: int = 0,
-                compute_s: Callable[[int, Choice], float] | None = None) -> ReplayResult:
+def replay_load(
+    chunks: Sequence[PlanChunk],
+    trace: Trace,
+    costs: CostModel,
+    options: LoaderOptions,
+    estimator: ThroughputEstimator | None = None,
+    latency_s: float | None = None,
+    cpu_noise: float = 0.2,
+    seed: int = 0,
+    compute_s: Callable[[int, Choice], float] | None = None,
+) -> ReplayResult:
     """One load of ``chunks`` by the loader in virtual time over a link following ``trace``.
 
     ``options``: the loader's (``values_per_token`` None: taken from the chunks; ``dtype``
@@ -143,14 +162,25 @@ def replay_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, opt
     c0 = chunks[0]
     vpt = options.values_per_token if options.values_per_token is not None else c0.num_values // max(c0.num_tokens, 1)
     if options.dtype is None or options.values_per_token is None:
-        options = LoaderOptions(**{**options.__dict__, "values_per_token": vpt,
-                                   "dtype": options.dtype or torch.bfloat16})
+        options = LoaderOptions(
+            **{**options.__dict__, "values_per_token": vpt, "dtype": options.dtype or torch.bfloat16}
+        )
     clock = VirtualClock()
     work = _VirtualWork(chunks, costs, clock, cpu_noise, seed, compute_s)
-    link = ThrottledLink(trace, latency_s=costs.fetch_latency_s if latency_s is None else latency_s,
-                         clock=clock, sleep=clock.sleep)
-    loader = StreamingLoader(work, work, work.recompute, options, costs=costs, link=link,
-                             estimator=estimator or ThroughputEstimator(), clock=clock, runner=VirtualRunner(clock))
+    link = ThrottledLink(
+        trace, latency_s=costs.fetch_latency_s if latency_s is None else latency_s, clock=clock, sleep=clock.sleep
+    )
+    loader = StreamingLoader(
+        work,
+        work,
+        work.recompute,
+        options,
+        costs=costs,
+        link=link,
+        estimator=estimator or ThroughputEstimator(),
+        clock=clock,
+        runner=VirtualRunner(clock),
+    )
     end = chunks[-1].start + chunks[-1].num_tokens
     res = loader.load(range(end), t0=0.0)
     itemsize = options.dtype.itemsize if options.dtype is not None else 2
@@ -158,5 +188,11 @@ def replay_load(chunks: Sequence[PlanChunk], trace: Trace, costs: CostModel, opt
     load = res.load_s + stitch
     slo = options.slo_s
     limit = slo - options.reserve_s if slo is not None else math.inf
-    return ReplayResult(res.choices, load, load > limit, [d.fetch_end for d in res.decisions],
-                        [d.decode_end for d in res.decisions], res)
+    return ReplayResult(
+        res.choices,
+        load,
+        load > limit,
+        [d.fetch_end for d in res.decisions],
+        [d.decode_end for d in res.decisions],
+        res,
+    )

@@ -39,11 +39,25 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MODES = ("recompute", "ram-prefix", "cachegen-local", "cachegen-redis-1gbps", "cachegen-redis-100mbps")
-COLS = ("mode", "requests", "ttft_s_p50", "ttft_s_p95", "ttft_s_p50_r2", "ttft_s_p95_r2", "cached_token_fraction",
-        "throughput_tok_s", "errors", "link")
-QUESTIONS = ("Summarize the document in two sentences.", "What is the most important rule it states?",
-             "Which detail would a new reader miss?", "Give one example from the document.",
-             "What would you ask its author?")
+COLS = (
+    "mode",
+    "requests",
+    "ttft_s_p50",
+    "ttft_s_p95",
+    "ttft_s_p50_r2",
+    "ttft_s_p95_r2",
+    "cached_token_fraction",
+    "throughput_tok_s",
+    "errors",
+    "link",
+)
+QUESTIONS = (
+    "Summarize the document in two sentences.",
+    "What is the most important rule it states?",
+    "Which detail would a new reader miss?",
+    "Give one example from the document.",
+    "What would you ask its author?",
+)
 
 
 @dataclass
@@ -104,8 +118,11 @@ def redis_server() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     d = tempfile.mkdtemp(prefix="cachegen-bench-redis-")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", d],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(200):
             try:
@@ -153,8 +170,9 @@ def conversations(tokenizer, w: Workload) -> tuple[str, list[str]]:
     """The shared system prompt and one private document per user, of real text."""
     from cachegen import corpus
 
-    system = ("You are a careful assistant. Answer from the user's document only, briefly.\n\n"
-              + corpus.take_tokens(tokenizer, corpus.text("pydoc-calib"), w.system_tokens))
+    system = "You are a careful assistant. Answer from the user's document only, briefly.\n\n" + corpus.take_tokens(
+        tokenizer, corpus.text("pydoc-calib"), w.system_tokens
+    )
     src = corpus.text("pydoc-eval")
     docs = [corpus.take_tokens(tokenizer, src, w.doc_tokens, offset=u * w.doc_tokens) for u in range(w.users)]
     return system, docs
@@ -167,14 +185,27 @@ async def _user(client, u: int, system: str, doc: str, w: Workload, t0: float, e
         await asyncio.sleep(max(0.0, slot - time.perf_counter()))
         q = QUESTIONS[r % len(QUESTIONS)]
         msgs.append({"role": "user", "content": f"{doc}\n\n{q}" if r == 0 else q})
-        row = {"user": u, "round": r, "ttft_s": None, "prompt_tokens": 0, "cached_tokens": 0,
-               "completion_tokens": 0, "error": None}
+        row = {
+            "user": u,
+            "round": r,
+            "ttft_s": None,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "completion_tokens": 0,
+            "error": None,
+        }
         sent = time.perf_counter()
         parts: list[str] = []
         try:
             stream = await client.chat.completions.create(
-                model="m", messages=msgs, max_tokens=w.answer_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True}, extra_body=extra)
+                model="m",
+                messages=msgs,
+                max_tokens=w.answer_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+            )
             async for ch in stream:
                 if ch.usage is not None:
                     row["prompt_tokens"] = ch.usage.prompt_tokens
@@ -209,13 +240,25 @@ def summarize(mode: str, reqs: list[dict], wall_s: float, link: str) -> dict:
     ok = [r for r in reqs if r["error"] is None and r["ttft_s"] is not None]
     later = [r["ttft_s"] for r in ok if r["round"] >= 1]
     prompt = sum(r["prompt_tokens"] for r in ok)
-    p50, p95, p50r, p95r = (_pct([r["ttft_s"] for r in ok], 0.5), _pct([r["ttft_s"] for r in ok], 0.95),
-                            _pct(later, 0.5), _pct(later, 0.95))
-    return {"mode": mode, "requests": len(reqs),
-            "ttft_s_p50": p50, "ttft_s_p95": p95, "ttft_s_p50_r2": p50r, "ttft_s_p95_r2": p95r,
-            "cached_token_fraction": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
-            "throughput_tok_s": sum(r["completion_tokens"] for r in ok) / wall_s if wall_s > 0 else 0.0,
-            "errors": len(reqs) - len(ok), "link": link, "wall_s": wall_s}
+    p50, p95, p50r, p95r = (
+        _pct([r["ttft_s"] for r in ok], 0.5),
+        _pct([r["ttft_s"] for r in ok], 0.95),
+        _pct(later, 0.5),
+        _pct(later, 0.95),
+    )
+    return {
+        "mode": mode,
+        "requests": len(reqs),
+        "ttft_s_p50": p50,
+        "ttft_s_p95": p95,
+        "ttft_s_p50_r2": p50r,
+        "ttft_s_p95_r2": p95r,
+        "cached_token_fraction": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
+        "throughput_tok_s": sum(r["completion_tokens"] for r in ok) / wall_s if wall_s > 0 else 0.0,
+        "errors": len(reqs) - len(ok),
+        "link": link,
+        "wall_s": wall_s,
+    }
 
 
 def _engine_for(mode: str, base, tmp: Path, redis: tuple | None, chunk_tokens: int, ram_bytes: int):
@@ -229,9 +272,13 @@ def _engine_for(mode: str, base, tmp: Path, redis: tuple | None, chunk_tokens: i
     if mode == "ram-prefix":
         root = Path(tempfile.mkdtemp(prefix="cachegen-ram-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         raw = RawCodec("bf16")
-        store = ContextStore(open_backend(f"file://{root}?max_bytes={ram_bytes}"),
-                             Namespace(ns.model_fingerprint + "-raw", ns.format_version, "raw-bf16"), raw,
-                             chunk_tokens, levels=raw.levels)
+        store = ContextStore(
+            open_backend(f"file://{root}?max_bytes={ram_bytes}"),
+            Namespace(ns.model_fingerprint + "-raw", ns.format_version, "raw-bf16"),
+            raw,
+            chunk_tokens,
+            levels=raw.levels,
+        )
         eng = Engine(base.lm, store, raw, base.costs())
         link_name = "ram (tmpfs)"
     else:
@@ -246,9 +293,17 @@ def _engine_for(mode: str, base, tmp: Path, redis: tuple | None, chunk_tokens: i
     return eng, link_name
 
 
-def run(model: str = "smollm2-135m", modes: Sequence[str] = MODES, workload: Workload | None = None,
-        chunk_tokens: int = 256, slo_s: float | None = 1.0, ram_bytes: int = 2 << 30,
-        plot: str | Path | None = None, prefer_netns: bool = True, dtype: str = "bfloat16") -> dict:
+def run(
+    model: str = "smollm2-135m",
+    modes: Sequence[str] = MODES,
+    workload: Workload | None = None,
+    chunk_tokens: int = 256,
+    slo_s: float | None = 1.0,
+    ram_bytes: int = 2 << 30,
+    plot: str | Path | None = None,
+    prefer_netns: bool = True,
+    dtype: str = "bfloat16",
+) -> dict:
     """Every mode in turn against a fresh store; returns ``{"rows": [...], "requests": {...}, ...}``."""
     from cachegen.calibrate import load_or_calibrate
     from cachegen.engine.engine import Engine
@@ -264,23 +319,36 @@ def run(model: str = "smollm2-135m", modes: Sequence[str] = MODES, workload: Wor
     rows, per_request = [], {}
     import torch
 
-    base = Engine.open(model, f"file://{tmp / 'base'}", chunk_tokens, progress=False, dtype=getattr(torch, dtype),
-                       profile=load_or_calibrate)
+    base = Engine.open(
+        model,
+        f"file://{tmp / 'base'}",
+        chunk_tokens,
+        progress=False,
+        dtype=getattr(torch, dtype),
+        profile=load_or_calibrate,
+    )
     try:
         base.costs()
         system, docs = conversations(base.tokenizer, w)
         for mode in modes:
             log.info("== serve bench: %s", mode)
             gbps = 1.0 if mode.endswith("1gbps") else 0.1
-            with (redis_link(gbps, prefer_netns) if "redis" in mode else _none()) as redis:
+            with redis_link(gbps, prefer_netns) if "redis" in mode else _none() as redis:
                 eng, link_name = _engine_for(mode, base, tmp, redis, chunk_tokens, ram_bytes)
                 try:
                     # answers of exactly --answer-tokens tokens: every mode does the same decoding work
-                    extra = {"cachegen": {"ignore_eos": True, **({"use_cache": False, "store": False}
-                                                                 if mode == "recompute" else {})}}
-                    cfg = ServeConfig(model_name=base.lm.name, max_queue=max(64, w.users * 2),
-                                      default_max_tokens=w.answer_tokens,
-                                      slo_s=slo_s if mode.startswith("cachegen") else None)
+                    extra = {
+                        "cachegen": {
+                            "ignore_eos": True,
+                            **({"use_cache": False, "store": False} if mode == "recompute" else {}),
+                        }
+                    }
+                    cfg = ServeConfig(
+                        model_name=base.lm.name,
+                        max_queue=max(64, w.users * 2),
+                        default_max_tokens=w.answer_tokens,
+                        slo_s=slo_s if mode.startswith("cachegen") else None,
+                    )
                     with serving(eng, cfg) as url:
                         reqs, wall = asyncio.run(_drive(url, system, docs, w, extra))
                     eng.writer.close()
@@ -293,8 +361,15 @@ def run(model: str = "smollm2-135m", modes: Sequence[str] = MODES, workload: Wor
     finally:
         base.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    out = {"model": model, "dtype": dtype, "workload": w.__dict__, "chunk_tokens": chunk_tokens, "slo_s": slo_s, "rows": rows,
-           "requests": per_request}
+    out = {
+        "model": model,
+        "dtype": dtype,
+        "workload": w.__dict__,
+        "chunk_tokens": chunk_tokens,
+        "slo_s": slo_s,
+        "rows": rows,
+        "requests": per_request,
+    }
     if plot:
         plot_rows(rows, plot)
         out["plot"] = str(plot)
@@ -332,6 +407,7 @@ def plot_rows(rows: list[dict], path: str | Path) -> None:
 
 # -- the command -------------------------------------------------------------------------
 
+
 def _positive(conv):
     def parse(text: str):
         try:
@@ -341,6 +417,7 @@ def _positive(conv):
         if not x > 0:
             raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
         return x
+
     return parse
 
 
@@ -357,15 +434,25 @@ def register(sub) -> None:
     p.add_argument("--doc-tokens", type=pint, default=2000, help="tokens of each user's document (default 2000)")
     p.add_argument("--answer-tokens", type=pint, default=32, help="max_tokens per answer (default 32)")
     p.add_argument("--qps", type=pfloat, default=0.5, help="request arrival rate per second (default 0.5)")
-    p.add_argument("--slo-s", type=pfloat, default=1.0,
-                   help="load deadline of the cachegen modes, in seconds (default 1.0)")
-    p.add_argument("--ram-bytes", type=pint, default=2 << 30,
-                   help="size bound of the ram-prefix cache in bytes (default 2 GiB)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="the model's compute dtype (default bfloat16; float32 is faster on CPUs without AVX512-BF16)")
-    p.add_argument("--link", choices=("netns", "inproc"), default="netns",
-                   help="redis modes: a shaped veth link in a network namespace when possible (default), "
-                        "or the in-process ThrottledLink")
+    p.add_argument(
+        "--slo-s", type=pfloat, default=1.0, help="load deadline of the cachegen modes, in seconds (default 1.0)"
+    )
+    p.add_argument(
+        "--ram-bytes", type=pint, default=2 << 30, help="size bound of the ram-prefix cache in bytes (default 2 GiB)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the model's compute dtype (default bfloat16; float32 is faster on CPUs without AVX512-BF16)",
+    )
+    p.add_argument(
+        "--link",
+        choices=("netns", "inproc"),
+        default="netns",
+        help="redis modes: a shaped veth link in a network namespace when possible (default), "
+        "or the in-process ThrottledLink",
+    )
     p.add_argument("--plot", default=None, metavar="PNG", help="write a TTFT bar chart here")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON ('-': stdout, only JSON)")
     p.set_defaults(func=_cmd)
@@ -379,8 +466,17 @@ def _cmd(args: argparse.Namespace) -> int:
 
     w = Workload(args.users, args.rounds, args.system_tokens, args.doc_tokens, args.answer_tokens, args.qps)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    res = run(args.model, modes, w, args.chunk_tokens, args.slo_s, args.ram_bytes, args.plot,
-              prefer_netns=args.link == "netns", dtype=args.dtype)
+    res = run(
+        args.model,
+        modes,
+        w,
+        args.chunk_tokens,
+        args.slo_s,
+        args.ram_bytes,
+        args.plot,
+        prefer_netns=args.link == "netns",
+        dtype=args.dtype,
+    )
     print(table(res["rows"], COLS), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json == "-":
         json.dump(res, sys.stdout, indent=2)
@@ -402,8 +498,15 @@ def section(model: str, out: Path, quick: bool = False) -> list[str]:
     w = QUICK if quick else Workload()
     res = run(model, MODES, w, plot=out / "serve.png")
     (Path(out) / "serve.json").write_text(json.dumps(res, indent=2) + "\n")
-    return ["## Serving: multi-round chats", "",
-            f"{w.users} users x {w.rounds} rounds, a shared {w.system_tokens}-token system prompt and a "
-            f"{w.doc_tokens}-token document per user, {w.answer_tokens}-token answers at {w.qps:g} requests/s, "
-            "streamed through the official openai client to the server on 127.0.0.1; `_r2`: rounds 2 and later.",
-            "", table(res["rows"], COLS, markdown=True), "", "![serve](serve.png)", ""]
+    return [
+        "## Serving: multi-round chats",
+        "",
+        f"{w.users} users x {w.rounds} rounds, a shared {w.system_tokens}-token system prompt and a "
+        f"{w.doc_tokens}-token document per user, {w.answer_tokens}-token answers at {w.qps:g} requests/s, "
+        "streamed through the official openai client to the server on 127.0.0.1; `_r2`: rounds 2 and later.",
+        "",
+        table(res["rows"], COLS, markdown=True),
+        "",
+        "![serve](serve.png)",
+        "",
+    ]

@@ -31,7 +31,9 @@ def bench(url: str, chunk_tokens: int, tokens: int, bits: list[float], repeat: i
     cs = ContextStore(backend, ns, chunk_tokens=chunk_tokens)
     ids = list(range(tokens))
     refs = cs.refs(ids)
-    blobs = {r.key: {l: os.urandom(int(r.num_tokens * VALUES_PER_TOKEN * b / 8)) for l, b in enumerate(bits)} for r in refs}
+    blobs = {
+        r.key: {l: os.urandom(int(r.num_tokens * VALUES_PER_TOKEN * b / 8)) for l, b in enumerate(bits)} for r in refs
+    }
     raw = [ChunkWrite(r.key, b"", blobs[r.key], start=r.start, ends_context=r is refs[-1]) for r in refs]
     best = {"put": 1e9, "plan": 1e9, "get": 1e9}
     mid = len(bits) // 2
@@ -54,9 +56,13 @@ def bench(url: str, chunk_tokens: int, tokens: int, bits: list[float], repeat: i
     backend.clear()
     backend.close()
     return {
-        "store": url.split(":", 1)[0], "chunk_tokens": chunk_tokens, "chunks": n,
-        "put_ms_per_chunk": 1e3 * best["put"] / n, "put_MBps": put_bytes / best["put"] / 1e6,
-        "get_ms_per_chunk": 1e3 * best["get"] / n, "get_MBps": get_bytes / best["get"] / 1e6,
+        "store": url.split(":", 1)[0],
+        "chunk_tokens": chunk_tokens,
+        "chunks": n,
+        "put_ms_per_chunk": 1e3 * best["put"] / n,
+        "put_MBps": put_bytes / best["put"] / 1e6,
+        "get_ms_per_chunk": 1e3 * best["get"] / n,
+        "get_MBps": get_bytes / best["get"] / 1e6,
         "plan_ms": 1e3 * best["plan"],
     }
 
@@ -83,14 +89,20 @@ def codec_overhead(model: str, text_file: str, tokens: int = 1024, levels=(0, 4)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--store", action="append", default=None, help="store URL (repeatable); default a temporary file store")
+    ap.add_argument(
+        "--store", action="append", default=None, help="store URL (repeatable); default a temporary file store"
+    )
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--sizes", default="64,128,256,512,1024")
     # measured on SmolLM2-135M fp32 KV with the codec (`cachegen store ingest`): levels 0..7
-    ap.add_argument("--bits", default="29.1,5.46,4.68,4.19,3.68,3.09,2.33,1.71", help="bits per value of each stored level")
+    ap.add_argument(
+        "--bits", default="29.1,5.46,4.68,4.19,3.68,3.09,2.33,1.71", help="bits per value of each stored level"
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--codec-model", default=None, help="instead: measure the codec's bytes per token (e.g. smollm2-135m)")
+    ap.add_argument(
+        "--codec-model", default=None, help="instead: measure the codec's bytes per token (e.g. smollm2-135m)"
+    )
     ap.add_argument("--text", default=None, help="text file for --codec-model")
     a = ap.parse_args()
     if a.codec_model:
@@ -102,10 +114,14 @@ def main() -> None:
     urls = a.store or [f"file://{tempfile.mkdtemp(prefix='cachegen-bench-')}"]
     bits = [float(b) for b in a.bits.split(",")]
     rows = [bench(u, int(s), a.tokens, bits, a.repeat) for u in urls for s in a.sizes.split(",")]
-    print(f"{'store':8} {'chunk':>6} {'chunks':>6} {'put ms/chunk':>13} {'put MB/s':>9} {'get ms/chunk':>13} {'get MB/s':>9} {'plan ms':>8}")
+    print(
+        f"{'store':8} {'chunk':>6} {'chunks':>6} {'put ms/chunk':>13} {'put MB/s':>9} {'get ms/chunk':>13} {'get MB/s':>9} {'plan ms':>8}"
+    )
     for r in rows:
-        print(f"{r['store']:8} {r['chunk_tokens']:6d} {r['chunks']:6d} {r['put_ms_per_chunk']:13.2f} {r['put_MBps']:9.0f} "
-              f"{r['get_ms_per_chunk']:13.2f} {r['get_MBps']:9.0f} {r['plan_ms']:8.2f}")
+        print(
+            f"{r['store']:8} {r['chunk_tokens']:6d} {r['chunks']:6d} {r['put_ms_per_chunk']:13.2f} {r['put_MBps']:9.0f} "
+            f"{r['get_ms_per_chunk']:13.2f} {r['get_MBps']:9.0f} {r['plan_ms']:8.2f}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

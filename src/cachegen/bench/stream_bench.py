@@ -70,8 +70,12 @@ def kl_nats(logits: torch.Tensor, ref: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
-QUICK: dict[str, Any] = {"context_tokens": 1024, "runs": 2, "sim_runs": 50,
-         "methods": ("adaptive", "cachegen-rule", "cachegen-L7", "uniform8", "recompute")}
+QUICK: dict[str, Any] = {
+    "context_tokens": 1024,
+    "runs": 2,
+    "sim_runs": 50,
+    "methods": ("adaptive", "cachegen-rule", "cachegen-L7", "uniform8", "recompute"),
+}
 SIM_METHODS = ("adaptive", "cachegen-rule")  # plus cachegen-L<n>: the ones the cost model knows
 
 
@@ -98,7 +102,9 @@ def _slo_value(slo, chunks, levels, traces, costs, reserve: float, log, eight_bi
             raise ConfigError("the 8bit:F deadline needs the uniform8 baseline in the store")
         f = float(slo.partition(":")[2])
         v = round(f * (eight_bit_bytes * 8 / (med_bw * 1e9) + reserve), 3)
-        log(f"[stream] slo {slo} = {v:.3f}s ({f:g} x (8-bit KV's {eight_bit_bytes / 1e6:.1f} MB at {med_bw:.2f} Gbps + reserve))")
+        log(
+            f"[stream] slo {slo} = {v:.3f}s ({f:g} x (8-bit KV's {eight_bit_bytes / 1e6:.1f} MB at {med_bw:.2f} Gbps + reserve))"
+        )
         return v
     if slo == "auto":
         lv = levels[len(levels) // 2]
@@ -115,12 +121,26 @@ def _slo_value(slo, chunks, levels, traces, costs, reserve: float, log, eight_bi
     return float(slo)
 
 
-def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: float | str = "auto", runs: int = 10,
-                     context_tokens: int = 4096, json_path: str | None = None, link: str = "inproc", gbps: float = 0.1,
-                     methods: Sequence[str] | None = None, dtype: str = "bfloat16", seed: int = 0,
-                     log: Callable[[str], None] | None = None, sim_runs: int = 0, quick: bool = False,
-                     store_dir: str | None = None, prefetch: int = 8,
-                     risk_quantile: float | None = None, recency_boost: int = RECENCY_BOOST) -> list[dict]:
+def run_stream_bench(
+    model: str = "smollm2-135m",
+    trace: str = "constant",
+    slo: float | str = "auto",
+    runs: int = 10,
+    context_tokens: int = 4096,
+    json_path: str | None = None,
+    link: str = "inproc",
+    gbps: float = 0.1,
+    methods: Sequence[str] | None = None,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+    sim_runs: int = 0,
+    quick: bool = False,
+    store_dir: str | None = None,
+    prefetch: int = 8,
+    risk_quantile: float | None = None,
+    recency_boost: int = RECENCY_BOOST,
+) -> list[dict]:
     """Run the bench; returns the rows (and writes ``json_path``).
 
     ``prefetch``, ``risk_quantile`` and ``recency_boost``: the loader's (and the replay's) settings,
@@ -159,9 +179,11 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
     if dtype != "float32":
         m.to(getattr(torch, dtype))
     src = text("pydoc-eval") if "pydoc-eval" in _sources() else text(_sources()[0])
-    ids = tok(take_tokens(tok, src, context_tokens + TAIL_TOKENS + CONT_TOKENS + 64), add_special_tokens=False)["input_ids"]
-    ctx, tail = ids[:context_tokens], ids[context_tokens:context_tokens + TAIL_TOKENS]
-    cont = ids[context_tokens:context_tokens + TAIL_TOKENS + CONT_TOKENS]
+    ids = tok(take_tokens(tok, src, context_tokens + TAIL_TOKENS + CONT_TOKENS + 64), add_special_tokens=False)[
+        "input_ids"
+    ]
+    ctx, tail = ids[:context_tokens], ids[context_tokens : context_tokens + TAIL_TOKENS]
+    cont = ids[context_tokens : context_tokens + TAIL_TOKENS + CONT_TOKENS]
 
     def recompute(prefix: KVCache | None, token_ids: list[int]) -> KVCache:
         return prefill(m, token_ids, prefix=prefix)
@@ -204,13 +226,22 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
             raw = token_bytes(ctx)
             for nsp, cdc, _lv in specs.values():
                 src_store = ContextStore(file_backend, nsp, cdc, chunk_tokens=CHUNK_TOKENS)
-                writes = [ChunkWrite(i.ref.key, raw[i.ref.start * 4:i.ref.end * 4],
-                                     {l: src_store.get(i.ref, l) for l in i.sizes}, start=i.ref.start,
-                                     ends_context=i.ref.end == len(ctx)) for i in src_store.plan(ctx)]
+                writes = [
+                    ChunkWrite(
+                        i.ref.key,
+                        raw[i.ref.start * 4 : i.ref.end * 4],
+                        {l: src_store.get(i.ref, l) for l in i.sizes},
+                        start=i.ref.start,
+                        ends_context=i.ref.end == len(ctx),
+                    )
+                    for i in src_store.plan(ctx)
+                ]
                 backend.put_chunks(writes)
             log(f"[stream] netns: redis at {netns.url if netns else '?'} behind tbf-shaped veths")
-    stores = {name: (ContextStore(backend, nsp, cdc, chunk_tokens=CHUNK_TOKENS), cdc, lv)
-              for name, (nsp, cdc, lv) in specs.items()}
+    stores = {
+        name: (ContextStore(backend, nsp, cdc, chunk_tokens=CHUNK_TOKENS), cdc, lv)
+        for name, (nsp, cdc, lv) in specs.items()
+    }
     st = stores["cachegen"][0]
 
     # cost models (cached per model, dtype, codec profile)
@@ -235,22 +266,37 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
     plan_s = time.perf_counter() - t
     vpt = exact.num_values // exact.num_tokens
     n_chunks = len(plan)
-    chunks = [PlanChunk(i.ref.index, i.ref.start, i.ref.end - i.ref.start, (i.ref.end - i.ref.start) * vpt, i.sizes)
-              for i in plan]
+    chunks = [
+        PlanChunk(i.ref.index, i.ref.start, i.ref.end - i.ref.start, (i.ref.end - i.ref.start) * vpt, i.sizes)
+        for i in plan
+    ]
     slo_arg = slo
     u8 = stores.get("uniform8")
     # what follows the last decode: joining the chunks (the loader keeps it back itself) and the tail prefill
     stitch = costs.stitch_s(exact.num_values, m.dtype.itemsize)
-    slo = _slo_value(slo, chunks, levels,
-                     [make_trace(trace, n_chunks, seed=seed + s, gbps=gbps) for s in range(max(runs, sim_runs, 1))],
-                     costs, reserve + stitch, log,
-                     eight_bit_bytes=sum(sum(i.sizes.values()) for i in u8[0].plan(ctx)) if u8 else None)
-    log(f"[stream] setup {time.perf_counter() - t_setup:.1f}s; {n_chunks} chunks, tail prefill {tail_s * 1000:.0f} ms, "
+    slo = _slo_value(
+        slo,
+        chunks,
+        levels,
+        [make_trace(trace, n_chunks, seed=seed + s, gbps=gbps) for s in range(max(runs, sim_runs, 1))],
+        costs,
+        reserve + stitch,
+        log,
+        eight_bit_bytes=sum(sum(i.sizes.values()) for i in u8[0].plan(ctx)) if u8 else None,
+    )
+    log(
+        f"[stream] setup {time.perf_counter() - t_setup:.1f}s; {n_chunks} chunks, tail prefill {tail_s * 1000:.0f} ms, "
         f"sizes L{levels[0]} {sum(c.sizes[levels[0]] for c in chunks) / 1e6:.2f} MB .. "
-        f"L{levels[-1]} {sum(c.sizes[levels[-1]] for c in chunks) / 1e6:.2f} MB")
+        f"L{levels[-1]} {sum(c.sizes[levels[-1]] for c in chunks) / 1e6:.2f} MB"
+    )
 
-    all_methods = ["adaptive", "cachegen-rule", *[f"cachegen-L{l}" for l in levels],
-                   *[k for k in stores if k != "cachegen"], "recompute"]
+    all_methods = [
+        "adaptive",
+        "cachegen-rule",
+        *[f"cachegen-L{l}" for l in levels],
+        *[k for k in stores if k != "cachegen"],
+        "recompute",
+    ]
     methods = list(methods) if methods else all_methods
     kl_cache: dict[tuple, float] = {}
     decoded: dict[tuple[int, int], KVCache] = {}
@@ -269,7 +315,7 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
         for info, c in zip(plan, choices):
             if c == TEXT:
                 prefix = KVCache.concat(parts) if parts else None
-                parts.append(recompute(prefix, ctx[info.ref.start:info.ref.end]))
+                parts.append(recompute(prefix, ctx[info.ref.start : info.ref.end]))
             else:
                 if (info.ref.index, c) not in decoded:
                     decoded[(info.ref.index, c)] = codec.decode(st.get(info.ref, c)).to(m.dtype)
@@ -299,9 +345,17 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                 # one estimator per method, kept across loads (as the Engine keeps one per link)
                 est = estimators.setdefault(method, ThroughputEstimator())
                 lk = ThrottledLink(tr) if netns is None else _netns_link(netns, tr)
-                opts = LoaderOptions(policy=policy, slo_s=slo, reserve_s=reserve, levels=lv, prefetch=prefetch,
-                                     risk_quantile=risk_quantile, recency_boost=recency_boost, dtype=m.dtype,
-                                     values_per_token=vpt)
+                opts = LoaderOptions(
+                    policy=policy,
+                    slo_s=slo,
+                    reserve_s=reserve,
+                    levels=lv,
+                    prefetch=prefetch,
+                    risk_quantile=risk_quantile,
+                    recency_boost=recency_boost,
+                    dtype=m.dtype,
+                    values_per_token=vpt,
+                )
                 loader = StreamingLoader(store, cdc, recompute, opts, costs=costs, link=lk, estimator=est)
                 t0 = time.perf_counter()
                 res = loader.load(ctx + tail, t0=t0)
@@ -324,16 +378,26 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
                 ttfts, kls, misses, patterns = [], [], 0, []
                 for r in range(sim_runs):
                     tr = make_trace(trace, n_chunks, seed=seed + r, gbps=gbps)
-                    opts = LoaderOptions(policy=policy, slo_s=slo, reserve_s=reserve, levels=lv, prefetch=prefetch,
-                                         risk_quantile=risk_quantile, recency_boost=recency_boost, dtype=m.dtype,
-                                         values_per_token=vpt)
+                    opts = LoaderOptions(
+                        policy=policy,
+                        slo_s=slo,
+                        reserve_s=reserve,
+                        levels=lv,
+                        prefetch=prefetch,
+                        risk_quantile=risk_quantile,
+                        recency_boost=recency_boost,
+                        dtype=m.dtype,
+                        values_per_token=vpt,
+                    )
                     sr = replay_load(chunks, tr, costs, opts, estimator=est, seed=seed + r)
                     ttft = plan_s + sr.load_s + tail_s
                     ttfts.append(ttft)
                     misses += ttft > slo
                     kls.append(kl_pattern(sr.choices))
                     patterns.append("".join("T" if c == TEXT else str(c) for c in sr.choices))
-                rows.append(_row(method, trace, ttfts, misses, kls, patterns, slo, "virtual", len(ctx), gbps, "virtual"))
+                rows.append(
+                    _row(method, trace, ttfts, misses, kls, patterns, slo, "virtual", len(ctx), gbps, "virtual")
+                )
                 log(_line(rows[-1]))
     finally:
         if backend is not file_backend:
@@ -347,11 +411,27 @@ def run_stream_bench(model: str = "smollm2-135m", trace: str = "constant", slo: 
         log(f"[stream] {k} = {v:.3f}")
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(
-            {"rows": rows, "ratios": summary, "slo_s": slo, "slo_arg": slo_arg, "tail_prefill_s": tail_s,
-             "reserve_s": reserve, "plan_s": plan_s, "costs": costs.to_json(), "dtype": dtype, "quick": quick,
-             "prefetch": prefetch, "risk_quantile": risk_quantile, "recency_boost": recency_boost,
-             "sizes_mb": {f"L{l}": sum(c.sizes[l] for c in chunks) / 1e6 for l in levels}}, indent=1))
+        Path(json_path).write_text(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "ratios": summary,
+                    "slo_s": slo,
+                    "slo_arg": slo_arg,
+                    "tail_prefill_s": tail_s,
+                    "reserve_s": reserve,
+                    "plan_s": plan_s,
+                    "costs": costs.to_json(),
+                    "dtype": dtype,
+                    "quick": quick,
+                    "prefetch": prefetch,
+                    "risk_quantile": risk_quantile,
+                    "recency_boost": recency_boost,
+                    "sizes_mb": {f"L{l}": sum(c.sizes[l] for c in chunks) / 1e6 for l in levels},
+                },
+                indent=1,
+            )
+        )
     return rows
 
 
@@ -365,16 +445,29 @@ def _policy(method: str, stores: dict):
 
 
 def _row(method, trace, ttfts, misses, kls, patterns, slo, link, ctx_tokens, gbps, timing) -> dict:
-    return {"method": method, "trace": trace, "ttft_s_p50": _pct(ttfts, 0.5), "ttft_s_p95": _pct(ttfts, 0.95),
-            "deadline_miss_rate": misses / max(len(ttfts), 1), "mean_kl": statistics.fmean(kls) if kls else None,
-            "runs": len(ttfts), "timing": timing, "slo_s": slo, "link": link, "context_tokens": ctx_tokens,
-            "gbps": gbps if trace.startswith("constant") else None, "example_choices": patterns[:3]}
+    return {
+        "method": method,
+        "trace": trace,
+        "ttft_s_p50": _pct(ttfts, 0.5),
+        "ttft_s_p95": _pct(ttfts, 0.95),
+        "deadline_miss_rate": misses / max(len(ttfts), 1),
+        "mean_kl": statistics.fmean(kls) if kls else None,
+        "runs": len(ttfts),
+        "timing": timing,
+        "slo_s": slo,
+        "link": link,
+        "context_tokens": ctx_tokens,
+        "gbps": gbps if trace.startswith("constant") else None,
+        "example_choices": patterns[:3],
+    }
 
 
 def _line(r: dict) -> str:
-    return (f"[stream] {r['method']:15s} {r['timing']:7s} n={r['runs']:3d} p50 {r['ttft_s_p50']:.3f}s "
-            f"p95 {r['ttft_s_p95']:.3f}s miss {r['deadline_miss_rate']:.3f} kl {r['mean_kl']:.5f} "
-            f"{r['example_choices'][:1]}")
+    return (
+        f"[stream] {r['method']:15s} {r['timing']:7s} n={r['runs']:3d} p50 {r['ttft_s_p50']:.3f}s "
+        f"p95 {r['ttft_s_p95']:.3f}s miss {r['deadline_miss_rate']:.3f} kl {r['mean_kl']:.5f} "
+        f"{r['example_choices'][:1]}"
+    )
 
 
 def _ratios(rows: list[dict]) -> dict[str, float]:
@@ -401,10 +494,14 @@ def _sources() -> list[str]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'method':16s} {'trace':10s} {'timing':8s} {'runs':>4s} {'p50 s':>8s} {'p95 s':>8s} {'miss':>6s} {'mean_kl':>9s}")
+    print(
+        f"{'method':16s} {'trace':10s} {'timing':8s} {'runs':>4s} {'p50 s':>8s} {'p95 s':>8s} {'miss':>6s} {'mean_kl':>9s}"
+    )
     for r in rows:
-        print(f"{r['method']:16s} {r['trace']:10s} {r['timing']:8s} {r['runs']:4d} {r['ttft_s_p50']:8.3f} "
-              f"{r['ttft_s_p95']:8.3f} {r['deadline_miss_rate']:6.3f} {r['mean_kl']:9.5f}")
+        print(
+            f"{r['method']:16s} {r['trace']:10s} {r['timing']:8s} {r['runs']:4d} {r['ttft_s_p50']:8.3f} "
+            f"{r['ttft_s_p95']:8.3f} {r['deadline_miss_rate']:6.3f} {r['mean_kl']:9.5f}"
+        )
 
 
 def _slo(s: str):
@@ -417,14 +514,22 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--trace", default="constant", help="constant[:GBPS], step, random, random-log, or a JSON/CSV file")
     p.add_argument("--gbps", type=float, default=0.1, help="bandwidth of the constant trace (default 0.1)")
-    p.add_argument("--slo", type=_slo, default="auto",
-                   help="deadline in seconds, 'auto' (median level at the median bandwidth), 'trace-auto' (median "
-                        "level at each chunk's own bandwidth), '8bit:F' (F x 8-bit KV's transfer + reserve) or 'fastest[:MARGIN]' "
-                        "(the most aggressive level at the median bandwidth, plus the tail prefill, x (1+MARGIN))")
+    p.add_argument(
+        "--slo",
+        type=_slo,
+        default="auto",
+        help="deadline in seconds, 'auto' (median level at the median bandwidth), 'trace-auto' (median "
+        "level at each chunk's own bandwidth), '8bit:F' (F x 8-bit KV's transfer + reserve) or 'fastest[:MARGIN]' "
+        "(the most aggressive level at the median bandwidth, plus the tail prefill, x (1+MARGIN))",
+    )
     p.add_argument("--runs", type=int, default=10, help="wall-clock loads per method")
-    p.add_argument("--sim-runs", type=int, default=0,
-                   help="virtual-time loads per cachegen method (the loader on a virtual clock, "
-                        "cachegen.bench.replay), rows with timing=virtual")
+    p.add_argument(
+        "--sim-runs",
+        type=int,
+        default=0,
+        help="virtual-time loads per cachegen method (the loader on a virtual clock, "
+        "cachegen.bench.replay), rows with timing=virtual",
+    )
     p.add_argument("--quick", action="store_true", help="small configuration (1K tokens, few runs) for bench all")
     p.add_argument("--context-tokens", type=int, default=4096)
     p.add_argument("--methods", default=None, help="comma-separated subset")
@@ -432,15 +537,41 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="serving dtype of the model (default bfloat16)")
     p.add_argument("--json", default=None)
     p.add_argument("--prefetch", type=int, default=8, help="fetched chunks that may wait for decoding (default 8)")
-    p.add_argument("--risk-quantile", type=float, default=0.0,
-                   help=f"risk planning: the adaptive plan must finish in time in this fraction of sampled "
-                        f"futures (e.g. {RISK_QUANTILE}); default 0 = plan at the estimated rate alone")
-    p.add_argument("--recency-boost", type=int, default=RECENCY_BOOST,
-                   help=f"levels better for the last chunk in the adaptive plan (default {RECENCY_BOOST}; 0 = even plan)")
-    p.set_defaults(func=lambda a: (run_stream_bench(
-        a.model, a.trace, a.slo, a.runs, a.context_tokens, a.json, a.link, a.gbps,
-        a.methods.split(",") if a.methods else None, a.dtype, sim_runs=a.sim_runs, quick=a.quick,
-        prefetch=a.prefetch, risk_quantile=a.risk_quantile or None, recency_boost=a.recency_boost) and 0))
+    p.add_argument(
+        "--risk-quantile",
+        type=float,
+        default=0.0,
+        help=f"risk planning: the adaptive plan must finish in time in this fraction of sampled "
+        f"futures (e.g. {RISK_QUANTILE}); default 0 = plan at the estimated rate alone",
+    )
+    p.add_argument(
+        "--recency-boost",
+        type=int,
+        default=RECENCY_BOOST,
+        help=f"levels better for the last chunk in the adaptive plan (default {RECENCY_BOOST}; 0 = even plan)",
+    )
+    p.set_defaults(
+        func=lambda a: (
+            run_stream_bench(
+                a.model,
+                a.trace,
+                a.slo,
+                a.runs,
+                a.context_tokens,
+                a.json,
+                a.link,
+                a.gbps,
+                a.methods.split(",") if a.methods else None,
+                a.dtype,
+                sim_runs=a.sim_runs,
+                quick=a.quick,
+                prefetch=a.prefetch,
+                risk_quantile=a.risk_quantile or None,
+                recency_boost=a.recency_boost,
+            )
+            and 0
+        )
+    )
     return p
 
 

@@ -99,12 +99,14 @@ def _recompute_first_token(model, ids: Sequence[int], step: int = 2048) -> int:
     return int(logits[0, -1].argmax())
 
 
-def time_kv_method(model, bench: _Bench, store: ContextStore, variant: Variant, ctx: Sequence[int],
-                   tail: Sequence[int]) -> dict:
+def time_kv_method(
+    model, bench: _Bench, store: ContextStore, variant: Variant, ctx: Sequence[int], tail: Sequence[int]
+) -> dict:
     """One request: the loader at the variant's level, then the cache into the model and the first token."""
     opts = LoaderOptions(policy=variant.level, slo_s=None, dtype=model.dtype)
-    loader = StreamingLoader(store, variant.codec, lambda prefix, ids: prefill(model, ids, prefix=prefix), opts,
-                             link=bench.link)
+    loader = StreamingLoader(
+        store, variant.codec, lambda prefix, ids: prefill(model, ids, prefix=prefix), opts, link=bench.link
+    )
     t0 = time.perf_counter()
     res = loader.load(ctx, t0=t0)
     t1 = time.perf_counter()
@@ -115,9 +117,17 @@ def time_kv_method(model, bench: _Bench, store: ContextStore, variant: Variant, 
     tok = _first_token(model, cache, tail)
     t3 = time.perf_counter()
     fetched = max(d.fetch_end or 0.0 for d in res.decisions)  # when the last chunk had crossed the link
-    return {"ttft_s": t3 - t0, "fetch_s": fetched, "decode_s": res.decode_s, "plan_s": res.plan_s,
-            "stitch_s": res.stitch_s, "load_s": t1 - t0, "inject_s": t2 - t1, "first_step_s": t3 - t2,
-            "first_token": tok}
+    return {
+        "ttft_s": t3 - t0,
+        "fetch_s": fetched,
+        "decode_s": res.decode_s,
+        "plan_s": res.plan_s,
+        "stitch_s": res.stitch_s,
+        "load_s": t1 - t0,
+        "inject_s": t2 - t1,
+        "first_step_s": t3 - t2,
+        "first_token": tok,
+    }
 
 
 def time_recompute(model, bench: _Bench, store: ContextStore, ctx: Sequence[int], tail: Sequence[int]) -> dict:
@@ -130,8 +140,17 @@ def time_recompute(model, bench: _Bench, store: ContextStore, ctx: Sequence[int]
     t1 = time.perf_counter()
     tok = _recompute_first_token(model, ids + list(tail))
     t2 = time.perf_counter()
-    return {"ttft_s": t2 - t0, "fetch_s": t1 - t0, "decode_s": 0.0, "plan_s": 0.0, "stitch_s": 0.0, "load_s": 0.0,
-            "inject_s": 0.0, "first_step_s": t2 - t1, "first_token": tok}
+    return {
+        "ttft_s": t2 - t0,
+        "fetch_s": t1 - t0,
+        "decode_s": 0.0,
+        "plan_s": 0.0,
+        "stitch_s": 0.0,
+        "load_s": 0.0,
+        "inject_s": 0.0,
+        "first_step_s": t2 - t1,
+        "first_token": tok,
+    }
 
 
 BREAKDOWN = ("fetch_s", "decode_s", "plan_s", "stitch_s", "load_s", "inject_s", "first_step_s", "first_token")
@@ -190,8 +209,13 @@ def run_ttft(
                         else:
                             runs.append(time_kv_method(model, bench, st, v, ctx, tail))
                     r = min(runs, key=lambda r: r["ttft_s"])
-                    row = {"method": v.name if v else "recompute", "level": v.row_level if v else None,
-                           "bandwidth_gbps": gbps, "ttft_s": r["ttft_s"], "size_bytes": size}
+                    row = {
+                        "method": v.name if v else "recompute",
+                        "level": v.row_level if v else None,
+                        "bandwidth_gbps": gbps,
+                        "ttft_s": r["ttft_s"],
+                        "size_bytes": size,
+                    }
                     row.update({k: r[k] for k in BREAKDOWN})
                     rows.append(row)
                     log.info("%g Gbit/s %-22s TTFT %.3fs", gbps, key, r["ttft_s"])

@@ -43,9 +43,18 @@ def default_vllm_python() -> Path:
 # -- the main environment's side -----------------------------------------------------------
 
 
-def run_vllm_bench(model: str = "smollm2-135m", context_tokens: int = 2048, json_path: str | None = None,
-                   vllm_python: str | None = None, level: int = 4, slo_s: float = 2.0, runs: int = 3,
-                   store: str | None = None, methods: tuple[str, ...] = METHODS, text: str = "pydoc-eval") -> list[dict]:
+def run_vllm_bench(
+    model: str = "smollm2-135m",
+    context_tokens: int = 2048,
+    json_path: str | None = None,
+    vllm_python: str | None = None,
+    level: int = 4,
+    slo_s: float = 2.0,
+    runs: int = 3,
+    store: str | None = None,
+    methods: tuple[str, ...] = METHODS,
+    text: str = "pydoc-eval",
+) -> list[dict]:
     from cachegen import corpus
     from cachegen.integrations.vllm.prepare import prepare
 
@@ -66,17 +75,29 @@ def run_vllm_bench(model: str = "smollm2-135m", context_tokens: int = 2048, json
     rows = []
     with tempfile.TemporaryDirectory(prefix="cachegen-vllm-bench-") as tmp:
         for method in methods:
-            spec = {"method": method, "model": model_dir, "ids": ids, "runs": runs, "level": level, "slo_s": slo_s,
-                    "store": store or f"file://{tmp}/cachegen-store", "example_dir": f"{tmp}/example",
-                    "context_tokens": context_tokens}
+            spec = {
+                "method": method,
+                "model": model_dir,
+                "ids": ids,
+                "runs": runs,
+                "level": level,
+                "slo_s": slo_s,
+                "store": store or f"file://{tmp}/cachegen-store",
+                "example_dir": f"{tmp}/example",
+                "context_tokens": context_tokens,
+            }
             sp, out = Path(tmp) / "spec.json", Path(tmp) / "row.json"
             sp.write_text(json.dumps(spec))
             env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
             log.info("vllm bench: %s (one vLLM engine, ~1-2 minutes)", method)
             t = time.perf_counter()
-            r = subprocess.run([str(py), "-m", "cachegen.bench.vllm_bench", "--worker", str(sp), str(out)],
-                               env=env, capture_output=True, text=True)
+            r = subprocess.run(
+                [str(py), "-m", "cachegen.bench.vllm_bench", "--worker", str(sp), str(out)],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             if r.returncode:
                 raise RuntimeError(f"vLLM run {method} failed (exit {r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
             row = json.loads(out.read_text())
@@ -84,8 +105,19 @@ def run_vllm_bench(model: str = "smollm2-135m", context_tokens: int = 2048, json
             rows.append(row)
     print_table(rows)
     if json_path:
-        Path(json_path).write_text(json.dumps({"rows": rows, "model": model, "context_tokens": context_tokens,
-                                               "level": level, "slo_s": slo_s, "runs": runs}, indent=1))
+        Path(json_path).write_text(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "model": model,
+                    "context_tokens": context_tokens,
+                    "level": level,
+                    "slo_s": slo_s,
+                    "runs": runs,
+                },
+                indent=1,
+            )
+        )
     return rows
 
 
@@ -96,7 +128,9 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         vs = f"{r['ttft_s'] / base['ttft_s']:.2f}x" if base else "-"
         size = f"{r['stored_bytes'] / 2**20:.1f} MiB" if r["stored_bytes"] else "-"
-        vs_ex = f"{r['stored_bytes'] / ex['stored_bytes']:.2f}x" if ex and ex["stored_bytes"] and r["stored_bytes"] else "-"
+        vs_ex = (
+            f"{r['stored_bytes'] / ex['stored_bytes']:.2f}x" if ex and ex["stored_bytes"] and r["stored_bytes"] else "-"
+        )
         print(f"{r['method']:<24} {r['store']:<22} {r['ttft_s']:>8.3f} {vs:>8} {size:>12} {vs_ex:>10}")
 
 
@@ -108,11 +142,16 @@ def section(model: str, out: Path, quick: bool) -> list[str]:
         return ["## vLLM KV connector", "", "Skipped: no vLLM environment (`make vllm-setup`).", ""]
     n, runs = (1024, 1) if quick else (2048, 3)
     rows = run_vllm_bench(model, n, json_path=str(Path(out) / "vllm.json"), runs=runs)
-    return ["## vLLM KV connector", "",
-            f"`cachegen bench vllm --context-tokens {n}`: {n} context tokens + a question, one fresh vLLM engine "
-            f"per method (prefix caching off), `ttft_s` the median of {runs} warm `max_tokens=1` requests after "
-            "a cold one; `stored_bytes` what the connector stored for the context.", "",
-            table(rows, COLS, markdown=True), ""]
+    return [
+        "## vLLM KV connector",
+        "",
+        f"`cachegen bench vllm --context-tokens {n}`: {n} context tokens + a question, one fresh vLLM engine "
+        f"per method (prefix caching off), `ttft_s` the median of {runs} warm `max_tokens=1` requests after "
+        "a cold one; `stored_bytes` what the connector stored for the context.",
+        "",
+        table(rows, COLS, markdown=True),
+        "",
+    ]
 
 
 def register(sub) -> None:
@@ -127,8 +166,19 @@ def register(sub) -> None:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--vllm-python", help="the vLLM environment's python (default .venv-vllm/bin/python)")
     p.add_argument("--json", metavar="PATH")
-    p.set_defaults(func=lambda a: run_vllm_bench(a.model, a.context_tokens, a.json, a.vllm_python, a.level, a.slo,
-                                                 a.runs, a.store, tuple(a.methods.split(","))))
+    p.set_defaults(
+        func=lambda a: run_vllm_bench(
+            a.model,
+            a.context_tokens,
+            a.json,
+            a.vllm_python,
+            a.level,
+            a.slo,
+            a.runs,
+            a.store,
+            tuple(a.methods.split(",")),
+        )
+    )
 
 
 # -- the vLLM environment's side -------------------------------------------------------------
@@ -144,22 +194,32 @@ def worker(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     method, ids = spec["method"], spec["ids"]
-    kw: dict = dict(model=spec["model"], max_model_len=4096, enforce_eager=True, dtype="bfloat16",
-                    enable_prefix_caching=False, seed=0)
+    kw: dict = dict(
+        model=spec["model"],
+        max_model_len=4096,
+        enforce_eager=True,
+        dtype="bfloat16",
+        enable_prefix_caching=False,
+        seed=0,
+    )
     store = "-"
     if method == "vllm+example-connector":
         d = Path(spec["example_dir"])
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-        kw["kv_transfer_config"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                                    "kv_connector_extra_config": {"shared_storage_path": str(d)}}
+        kw["kv_transfer_config"] = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(d)},
+        }
         store = "file (safetensors)"
     elif method == "vllm+cachegen":
         from cachegen.integrations.vllm import kv_transfer_config
         from cachegen.store.url import redact
 
-        kw["kv_transfer_config"] = kv_transfer_config(store=spec["store"], levels=[spec["level"]], policy="adaptive",
-                                                      slo_s=spec["slo_s"])
+        kw["kv_transfer_config"] = kv_transfer_config(
+            store=spec["store"], levels=[spec["level"]], policy="adaptive", slo_s=spec["slo_s"]
+        )
         url = redact(spec["store"])
         store = f"{url.split(':', 1)[0]} (L{spec['level']})"
     llm = LLM(**kw)
@@ -186,10 +246,19 @@ def worker(spec_path: str, out_path: str) -> None:
     elif conn is not None:
         stored = sum(sum(i.sizes.values()) for i in conn.setup.store.plan(ids))
         loaded = conn.stats.loaded_tokens // max(len(warm), 1)
-    row = {"method": method, "store": store, "context_tokens": spec["context_tokens"], "prompt_tokens": len(ids),
-           "ttft_s": statistics.median(t for t, _ in warm), "ttft_runs": [t for t, _ in warm], "cold_s": cold_s,
-           "stored_bytes": stored, "loaded_tokens": loaded, "first_token": first,
-           "same_first_token": all(f == first for _, f in warm)}
+    row = {
+        "method": method,
+        "store": store,
+        "context_tokens": spec["context_tokens"],
+        "prompt_tokens": len(ids),
+        "ttft_s": statistics.median(t for t, _ in warm),
+        "ttft_runs": [t for t, _ in warm],
+        "cold_s": cold_s,
+        "stored_bytes": stored,
+        "loaded_tokens": loaded,
+        "first_token": first,
+        "same_first_token": all(f == first for _, f in warm),
+    }
     if conn is not None:
         row["connector"] = conn.stats.to_json()
         conn.shutdown()

@@ -24,7 +24,9 @@ from cachegen.codec.rope import RopeSpec
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 5  # 2: pydoc-calib, per-component Fisher over several contexts; 3: pre-RoPE keys; 4: the "calib" mix;
+CALIBRATION_VERSION = (
+    5  # 2: pydoc-calib, per-component Fisher over several contexts; 3: pre-RoPE keys; 4: the "calib" mix;
+)
 # 5: token importance
 # Measured correction of the Fisher KL prediction (see docs/codec.md); scales every level's target.
 KL_SCALE = 1.0
@@ -84,8 +86,11 @@ def rope_specs(model) -> list[RopeSpec | None]:
         want = [spec.cos_sin(p, 1) for p in (0, 1, 777, 4095)]
         if cos.shape[-1] != spec.rotary_dim:
             return None
-        wc = torch.cat([c for c, _ in want]); ws = torch.cat([s for _, s in want])
-        if not (np.allclose(cos[0].numpy(), wc.numpy(), atol=1e-4) and np.allclose(sin[0].numpy(), ws.numpy(), atol=1e-4)):
+        wc = torch.cat([c for c, _ in want])
+        ws = torch.cat([s for _, s in want])
+        if not (
+            np.allclose(cos[0].numpy(), wc.numpy(), atol=1e-4) and np.allclose(sin[0].numpy(), ws.numpy(), atol=1e-4)
+        ):
             return None
         return spec
 
@@ -133,7 +138,10 @@ def calibrate_for_model(
     # Fisher contexts: after the PCA samples when the text is long enough, else from the start
     f0 = need if ids.numel() >= need + n_fisher * span else 0
     n_f = max(1, min(n_fisher, (ids.numel() - f0) // span))
-    pairs = [(ids[f0 + j * span : f0 + j * span + fisher_context], ids[f0 + j * span + fisher_context : f0 + (j + 1) * span]) for j in range(n_f)]
+    pairs = [
+        (ids[f0 + j * span : f0 + j * span + fisher_context], ids[f0 + j * span + fisher_context : f0 + (j + 1) * span])
+        for j in range(n_f)
+    ]
     rope = rope_specs(model) if pre_rope else None
     sens = fisher_matrices(model, pairs, samples=fisher_samples, rope=rope)
     # token importance: long contexts (position and distance effects as in use), after the Fisher text
@@ -142,13 +150,31 @@ def calibrate_for_model(
     if ids.numel() < i0 + ispan:
         i0 = 0
     n_i = min(n_importance, (ids.numel() - i0) // ispan) if n_importance > 0 else 0
-    ipairs = [(ids[i0 + j * ispan : i0 + j * ispan + importance_context], ids[i0 + j * ispan + importance_context : i0 + (j + 1) * ispan])
-              for j in range(n_i)]
+    ipairs = [
+        (
+            ids[i0 + j * ispan : i0 + j * ispan + importance_context],
+            ids[i0 + j * ispan + importance_context : i0 + (j + 1) * ispan],
+        )
+        for j in range(n_i)
+    ]
     idata = token_sensitivity(model, ipairs, samples=importance_samples) if ipairs else None
-    meta = {"calibration": "calib" if not texts else "custom", "sample_tokens": sample_tokens, "n_samples": n_samples, "n_fisher": n_f,
-            "n_importance": n_i}
-    return calibrate(samples, loaded_model.fingerprint, use_pca=use_pca, sensitivity=sens, kl_scale=kl_scale, meta=meta,
-                     rope=rope, importance_data=idata)
+    meta = {
+        "calibration": "calib" if not texts else "custom",
+        "sample_tokens": sample_tokens,
+        "n_samples": n_samples,
+        "n_fisher": n_f,
+        "n_importance": n_i,
+    }
+    return calibrate(
+        samples,
+        loaded_model.fingerprint,
+        use_pca=use_pca,
+        sensitivity=sens,
+        kl_scale=kl_scale,
+        meta=meta,
+        rope=rope,
+        importance_data=idata,
+    )
 
 
 def load_or_calibrate(loaded_model, refresh: bool = False) -> Profile:

@@ -34,7 +34,9 @@ def context_kv(model, context_ids: torch.Tensor) -> KVCache:
         return from_transformers(out.cache, model.config)
 
 
-def _sampled_grads(model, kv: KVCache, cont_ids: torch.Tensor, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _sampled_grads(
+    model, kv: KVCache, cont_ids: torch.Tensor, g: torch.Generator
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(K, V) leaves of ``kv`` per layer whose ``.grad`` holds the gradient of the log-likelihood
     of a continuation sampled from the model (one backward pass): an empirical Fisher sample."""
     leaves = [(l.k.clone().requires_grad_(True), l.v.clone().requires_grad_(True)) for l in kv.layers]
@@ -47,8 +49,14 @@ def _sampled_grads(model, kv: KVCache, cont_ids: torch.Tensor, g: torch.Generato
     return leaves
 
 
-def fisher_matrices(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], n_sink: int = 4, samples: int = 2, seed: int = 0,
-                    rope: Sequence[RopeSpec | None] | None = None) -> list[np.ndarray]:
+def fisher_matrices(
+    model,
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    n_sink: int = 4,
+    samples: int = 2,
+    seed: int = 0,
+    rope: Sequence[RopeSpec | None] | None = None,
+) -> list[np.ndarray]:
     """Per section ``2*layer + kv``: Fisher matrices (heads, D, D) float64, averaged over ``pairs`` of (context, continuation) ids.
 
     With ``rope`` (per layer) the key Fisher is for pre-RoPE keys (each token's gradient rotated back)."""
@@ -73,8 +81,15 @@ def fisher_matrices(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], n
     return acc
 
 
-def fisher_sensitivity(model, context_ids: torch.Tensor, cont_ids: torch.Tensor, n_sink: int = 4, samples: int = 2, seed: int = 0,
-                       per_component: bool = False) -> tuple[list, KVCache]:
+def fisher_sensitivity(
+    model,
+    context_ids: torch.Tensor,
+    cont_ids: torch.Tensor,
+    n_sink: int = 4,
+    samples: int = 2,
+    seed: int = 0,
+    per_component: bool = False,
+) -> tuple[list, KVCache]:
     """Return (sensitivity per section ``2*layer + kv``, the context KV). ids are 1-D token tensors.
 
     Per section: a float (the mean per-channel Fisher, summed over context tokens), or with
@@ -86,8 +101,9 @@ def fisher_sensitivity(model, context_ids: torch.Tensor, cont_ids: torch.Tensor,
     return [float(np.mean(np.diagonal(m, axis1=1, axis2=2))) for m in mats], kv
 
 
-def token_sensitivity(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], samples: int = 2,
-                      seed: int = 0) -> list[tuple[KVCache, np.ndarray]]:
+def token_sensitivity(
+    model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], samples: int = 2, seed: int = 0
+) -> list[tuple[KVCache, np.ndarray]]:
     """Per (context, continuation) pair: the context KV and its per-token Fisher traces
     (layers, 2, heads, tokens) float64: ``sum over the head's dims of g^2``, averaged over
     ``samples`` continuations sampled from the model (the training data of
@@ -100,7 +116,9 @@ def token_sensitivity(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
         for _ in range(samples):
             leaves = _sampled_grads(model, kv, cont_ids, g)
             with torch.no_grad():
-                per = torch.stack([torch.stack([(k.grad.double() ** 2).sum(-1), (v.grad.double() ** 2).sum(-1)]) for k, v in leaves])
+                per = torch.stack(
+                    [torch.stack([(k.grad.double() ** 2).sum(-1), (v.grad.double() ** 2).sum(-1)]) for k, v in leaves]
+                )
             acc = per if acc is None else acc + per
         out.append((kv, (acc / samples).numpy()))
     return out

@@ -37,8 +37,11 @@ def _prepare(args: argparse.Namespace) -> tuple:
         checks.text_source(args.text)
     tokens = getattr(args, "context_tokens", 0) + getattr(args, "continuation_tokens", 0)
     if tokens:
-        checks.context_length(args.model, tokens, "--context-tokens" +
-                              (" + --continuation-tokens" if getattr(args, "continuation_tokens", 0) else ""))
+        checks.context_length(
+            args.model,
+            tokens,
+            "--context-tokens" + (" + --continuation-tokens" if getattr(args, "continuation_tokens", 0) else ""),
+        )
     lm = load(args.model, args.dtype)
     return lm, codecs_for(lm, args.codecs)
 
@@ -55,8 +58,14 @@ def cmd_quality(args: argparse.Namespace) -> int:
     from cachegen.bench import all as benches
 
     lm, cods = _prepare(args)
-    res = benches.quality(lm, cods, context_tokens=args.context_tokens, continuation_tokens=args.continuation_tokens,
-                          text=args.text, plot=args.plot)
+    res = benches.quality(
+        lm,
+        cods,
+        context_tokens=args.context_tokens,
+        continuation_tokens=args.continuation_tokens,
+        text=args.text,
+        plot=args.plot,
+    )
     return _report(res, QUALITY_COLS, args)
 
 
@@ -64,8 +73,16 @@ def cmd_needle(args: argparse.Namespace) -> int:
     from cachegen.bench import all as benches
 
     lm, cods = _prepare(args)
-    res = benches.needle(lm, cods, cases=args.cases, context_tokens=args.context_tokens,
-                         max_new_tokens=args.max_new_tokens, seed=args.seed, text=args.text, plot=args.plot)
+    res = benches.needle(
+        lm,
+        cods,
+        cases=args.cases,
+        context_tokens=args.context_tokens,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        text=args.text,
+        plot=args.plot,
+    )
     return _report(res, NEEDLE_COLS, args)
 
 
@@ -73,9 +90,18 @@ def cmd_ttft(args: argparse.Namespace) -> int:
     from cachegen.bench import all as benches
 
     lm, cods = _prepare(args)
-    res = benches.ttft(lm, cods, context_tokens=args.context_tokens, bandwidths_gbps=args.bandwidth_gbps,
-                       link=args.link, latency_s=args.latency_ms / 1000.0, repeats=args.repeats,
-                       recompute_repeats=args.recompute_repeats, text=args.text, plot=args.plot)
+    res = benches.ttft(
+        lm,
+        cods,
+        context_tokens=args.context_tokens,
+        bandwidths_gbps=args.bandwidth_gbps,
+        link=args.link,
+        latency_s=args.latency_ms / 1000.0,
+        repeats=args.repeats,
+        recompute_repeats=args.recompute_repeats,
+        text=args.text,
+        plot=args.plot,
+    )
     return _report(res, TTFT_COLS, args)
 
 
@@ -84,39 +110,64 @@ def cmd_all(args: argparse.Namespace) -> int:
 
     checks.model_positions(args.model)  # an unknown model fails here, before the first benchmark
     checks.output_dir(args.out)
-    run_all(args.out, model=args.model, dtype=args.dtype, codecs=args.codecs, needle_cases=args.needle_cases,
-            quick=args.quick, link=args.link, codec_bench=not args.skip_codec, stream=not args.skip_stream,
-            serve=not args.skip_serve, vllm=not args.skip_vllm, ttft_dtype=args.ttft_dtype)
+    run_all(
+        args.out,
+        model=args.model,
+        dtype=args.dtype,
+        codecs=args.codecs,
+        needle_cases=args.needle_cases,
+        quick=args.quick,
+        link=args.link,
+        codec_bench=not args.skip_codec,
+        stream=not args.skip_stream,
+        serve=not args.skip_serve,
+        vllm=not args.skip_vllm,
+        ttft_dtype=args.ttft_dtype,
+    )
     return 0
 
 
 # -- argparse -----------------------------------------------------------------------
 
+
 def _common(p: argparse.ArgumentParser, results: bool = True) -> None:
     options.model(p)
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="model precision (default float32)")
-    p.add_argument("--codecs", type=_csv, default=_csv(DEFAULT_CODECS), metavar="NAME[:LEVEL],...",
-                   help=f"comma-separated codecs, name or name:level (default {DEFAULT_CODECS}; also bf16)")
+    p.add_argument(
+        "--codecs",
+        type=_csv,
+        default=_csv(DEFAULT_CODECS),
+        metavar="NAME[:LEVEL],...",
+        help=f"comma-separated codecs, name or name:level (default {DEFAULT_CODECS}; also bf16)",
+    )
     if results:
         options.add_json(p)
         p.add_argument("--plot", metavar="PATH", help="draw the results as a PNG at PATH")
 
 
 def _text(p: argparse.ArgumentParser, what: str = "text") -> None:
-    p.add_argument("--text", default="pydoc-eval", metavar="FILE|NAME",
-                   help=f"{what}: a UTF-8 text file, or a corpus name such as pydoc-eval (the default)")
+    p.add_argument(
+        "--text",
+        default="pydoc-eval",
+        metavar="FILE|NAME",
+        help=f"{what}: a UTF-8 text file, or a corpus name such as pydoc-eval (the default)",
+    )
 
 
 def _link(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--link", choices=("inproc", "netns"), default="inproc",
-                   help="inproc: an in-process throttle (default); netns: redis-server behind a tc-shaped veth (root)")
+    p.add_argument(
+        "--link",
+        choices=("inproc", "netns"),
+        default="inproc",
+        help="inproc: an in-process throttle (default); netns: redis-server behind a tc-shaped veth (root)",
+    )
 
 
 def _selected(argv: Sequence[str] | None) -> str | None:
     """The word after ``bench`` in ``argv``: the one bench command whose module must be imported."""
     if not argv or "bench" not in argv:
         return None
-    rest = [a for a in list(argv)[list(argv).index("bench") + 1:] if not a.startswith("-")]
+    rest = [a for a in list(argv)[list(argv).index("bench") + 1 :] if not a.startswith("-")]
     return rest[0] if rest else None
 
 
@@ -159,16 +210,26 @@ def register(subparsers, argv: Sequence[str] | None = None) -> argparse.Argument
     _common(p)
     _text(p)
     options.context_tokens(p, 2048)
-    p.add_argument("--continuation-tokens", type=checks.positive_int, default=256, metavar="N",
-                   help="tokens scored after the context (default 256)")
+    p.add_argument(
+        "--continuation-tokens",
+        type=checks.positive_int,
+        default=256,
+        metavar="N",
+        help="tokens scored after the context (default 256)",
+    )
     p.set_defaults(func=cmd_quality)
 
     p = sub.add_parser("needle", help="needle retrieval accuracy per codec and level, with 95%% Wilson intervals")
     _common(p)
     p.add_argument("--cases", type=checks.positive_int, default=50, metavar="N", help="cases per codec (default 50)")
     options.context_tokens(p, 1024)
-    p.add_argument("--max-new-tokens", type=checks.positive_int, default=7, metavar="N",
-                   help="tokens generated for each answer (default 7)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=checks.positive_int,
+        default=7,
+        metavar="N",
+        help="tokens generated for each answer (default 7)",
+    )
     p.add_argument("--seed", type=int, default=0, help="picks the needles and their depths (default 0)")
     _text(p, "haystack text")
     p.set_defaults(func=cmd_needle)
@@ -179,10 +240,15 @@ def register(subparsers, argv: Sequence[str] | None = None) -> argparse.Argument
     options.bandwidths_gbps(p, [0.1, 1.0, 10.0])
     _link(p)
     p.add_argument("--latency-ms", type=float, default=0.0, help="added per chunk fetch, inproc only (default 0)")
-    p.add_argument("--repeats", type=checks.positive_int, default=1,
-                   help="runs per point of a KV method; the best is reported (default 1)")
-    p.add_argument("--recompute-repeats", type=checks.positive_int, default=1,
-                   help="runs per point of recompute (default 1)")
+    p.add_argument(
+        "--repeats",
+        type=checks.positive_int,
+        default=1,
+        help="runs per point of a KV method; the best is reported (default 1)",
+    )
+    p.add_argument(
+        "--recompute-repeats", type=checks.positive_int, default=1, help="runs per point of recompute (default 1)"
+    )
     _text(p)
     p.set_defaults(func=cmd_ttft)
 
@@ -197,15 +263,26 @@ def register(subparsers, argv: Sequence[str] | None = None) -> argparse.Argument
     p = sub.add_parser("all", help="run every benchmark at default sizes; write results.md, JSON and plots")
     _common(p, results=False)
     p.add_argument("--out", required=True, metavar="DIR", help="directory for results.md, the JSON files and plots")
-    p.add_argument("--needle-cases", type=checks.positive_int, default=None, metavar="N",
-                   help="needle cases per codec (default 50, quick 10)")
+    p.add_argument(
+        "--needle-cases",
+        type=checks.positive_int,
+        default=None,
+        metavar="N",
+        help="needle cases per codec (default 50, quick 10)",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes (a few minutes), for a smoke test")
     _link(p)
     p.add_argument("--skip-codec", action="store_true", help="leave out `bench codec`")
     p.add_argument("--skip-stream", action="store_true", help="leave out `bench stream`")
     p.add_argument("--skip-serve", action="store_true", help="leave out `bench serve`")
-    p.add_argument("--skip-vllm", action="store_true", help="leave out `bench vllm` (skipped anyway without .venv-vllm)")
-    p.add_argument("--ttft-dtype", default="bfloat16", choices=("float32", "bfloat16"),
-                   help="model dtype for time-to-first-token runs (default bf16, the serving dtype)")
+    p.add_argument(
+        "--skip-vllm", action="store_true", help="leave out `bench vllm` (skipped anyway without .venv-vllm)"
+    )
+    p.add_argument(
+        "--ttft-dtype",
+        default="bfloat16",
+        choices=("float32", "bfloat16"),
+        help="model dtype for time-to-first-token runs (default bf16, the serving dtype)",
+    )
     p.set_defaults(func=cmd_all)
     return bench

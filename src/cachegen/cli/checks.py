@@ -23,12 +23,15 @@ MAX_TEXT_BYTES = 64 << 20  # more than any context a shipped model can take
 
 # -- argparse converters ----------------------------------------------------------
 
+
 def levels_arg(text: str) -> tuple[int, ...]:
     """``"1,3,5"`` -> ``(1, 3, 5)``; the range is checked by :func:`levels`."""
     try:
         out = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated level numbers such as 1,3,5, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated level numbers such as 1,3,5, got {text!r}"
+        ) from None
     if not out:
         raise argparse.ArgumentTypeError("expected at least one level, e.g. --levels 1,3,5")
     return out
@@ -67,6 +70,7 @@ def positive_floats(text: str) -> list[float]:
 
 # -- checks that need more than the option's text ----------------------------------
 
+
 def levels(chosen: Sequence[int] | None) -> tuple[int, ...] | None:
     """The chosen quality levels, each one the codec has (None: all of them)."""
     if chosen is None:
@@ -75,8 +79,10 @@ def levels(chosen: Sequence[int] | None) -> tuple[int, ...] | None:
 
     bad = sorted(set(chosen) - set(LEVELS))
     if bad:
-        raise ConfigError(f"unknown quality level(s) {', '.join(map(str, bad))}: choose from "
-                          f"{', '.join(map(str, LEVELS))} (1 = best quality, {max(LEVELS)} = smallest)")
+        raise ConfigError(
+            f"unknown quality level(s) {', '.join(map(str, bad))}: choose from "
+            f"{', '.join(map(str, LEVELS))} (1 = best quality, {max(LEVELS)} = smallest)"
+        )
     return tuple(dict.fromkeys(chosen))
 
 
@@ -101,8 +107,9 @@ def text_file(path: str | Path) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{p} is not UTF-8 text (bad byte at offset {e.start}); convert it, "
-                          f"e.g. iconv -f latin1 -t utf-8") from None
+        raise ConfigError(
+            f"{p} is not UTF-8 text (bad byte at offset {e.start}); convert it, e.g. iconv -f latin1 -t utf-8"
+        ) from None
     if not text.strip():
         raise ConfigError(f"{p} is empty; give a file with some text")
     return text
@@ -122,8 +129,10 @@ def context_length(model: str, tokens: int, what: str = "the context") -> None:
         log.debug("context length of %s unknown; not checked", model)
         return
     if tokens > n:
-        raise ConfigError(f"{what} has {tokens} tokens but {model} takes at most {n}; "
-                          "use a shorter text or a model with more positions")
+        raise ConfigError(
+            f"{what} has {tokens} tokens but {model} takes at most {n}; "
+            "use a shorter text or a model with more positions"
+        )
 
 
 def count_tokens(model: str, text: str) -> int | None:

@@ -51,50 +51,67 @@ def run(args: argparse.Namespace) -> int:
 
     say = lambda *a: print(*a, flush=True)
     say(f"cachegen demo: model {args.model}, store {args.store or 'local (default)'}")
-    with Engine.open(args.model, args.store, chunk_tokens=args.chunk_tokens, progress=True, profile=load_or_calibrate) as eng:
+    with Engine.open(
+        args.model, args.store, chunk_tokens=args.chunk_tokens, progress=True, profile=load_or_calibrate
+    ) as eng:
         case = corpus.needle_case(eng.tokenizer, args.context_tokens, seed=args.seed)
         n_ctx = len(case.context_ids)
         say(f"context: {n_ctx} tokens of real text (pydoc topics) with a secret number at depth {case.depth:.0%}")
 
         ing = eng.ingest(case.context_ids, progress=True)
         if ing.written:
-            say(f"stored {ing.written} chunks at levels {list(eng.store.levels)}: "
-                f"prefill {ing.prefill_s:.2f}s, encode {ing.encode_s:.2f}s")
+            say(
+                f"stored {ing.written} chunks at levels {list(eng.store.levels)}: "
+                f"prefill {ing.prefill_s:.2f}s, encode {ing.encode_s:.2f}s"
+            )
         else:
             say(f"all {ing.chunks} chunks were already in the store")
         eng.costs()  # measured once per model and profile, then cached
 
         say("\n[1] recompute: prefill the whole prompt from text")
         a = eng.generate(case.context_ids, case.question_ids, use_cache=False)
-        say(f"    answer: {a.text.strip()!r}  ({'correct' if corpus.is_correct(a.text, case) else 'WRONG'}; "
-            f"secret {case.answer})")
+        say(
+            f"    answer: {a.text.strip()!r}  ({'correct' if corpus.is_correct(a.text, case) else 'WRONG'}; "
+            f"secret {case.answer})"
+        )
         say(f"    time to first token: {a.ttft_s:.2f}s")
 
         slo = args.slo_s
-        say(f"\n[2] cachegen: stream the stored KV over a {args.bandwidth_gbps * 1000:.0f} Mbps link, "
-            f"deadline {slo:.2f}s")
+        say(
+            f"\n[2] cachegen: stream the stored KV over a {args.bandwidth_gbps * 1000:.0f} Mbps link, "
+            f"deadline {slo:.2f}s"
+        )
         link = ThrottledLink(constant(args.bandwidth_gbps))
         b = eng.generate(case.context_ids, case.question_ids, use_cache=True, slo_s=slo, link=link)
         res = b.load
-        report: dict = {"model": eng.lm.name, "context_tokens": n_ctx, "secret": case.answer,
-                        "chunk_tokens": args.chunk_tokens, "bandwidth_gbps": args.bandwidth_gbps, "slo_s": slo,
-                        "recompute": {"answer": a.text.strip(), "correct": corpus.is_correct(a.text, case),
-                                      "ttft_s": a.ttft_s},
-                        "cachegen": {"answer": b.text.strip(), "correct": corpus.is_correct(b.text, case),
-                                     "ttft_s": b.ttft_s}}
+        report: dict = {
+            "model": eng.lm.name,
+            "context_tokens": n_ctx,
+            "secret": case.answer,
+            "chunk_tokens": args.chunk_tokens,
+            "bandwidth_gbps": args.bandwidth_gbps,
+            "slo_s": slo,
+            "recompute": {"answer": a.text.strip(), "correct": corpus.is_correct(a.text, case), "ttft_s": a.ttft_s},
+            "cachegen": {"answer": b.text.strip(), "correct": corpus.is_correct(b.text, case), "ttft_s": b.ttft_s},
+        }
         if res is not None:
             report["cachegen"].update(
                 levels=[None if d.choice == TEXT else d.choice for d in res.decisions],
-                bytes=sum(d.bytes for d in res.decisions), load_s=res.load_s, missed=res.missed,
-                faults=list(res.faults))
+                bytes=sum(d.bytes for d in res.decisions),
+                load_s=res.load_s,
+                missed=res.missed,
+                faults=list(res.faults),
+            )
         if res is not None and res.decisions:
             picks = " ".join("text" if d.choice == TEXT else f"L{d.choice}" for d in res.decisions)
             say(f"    level per chunk: {picks}")
             sent = sum(d.bytes for d in res.decisions)
-            say(f"    fetched {_mib(sent)} in {res.fetch_s:.2f}s of link time, decoded in {res.decode_s:.2f}s, "
+            say(
+                f"    fetched {_mib(sent)} in {res.fetch_s:.2f}s of link time, decoded in {res.decode_s:.2f}s, "
                 f"recomputed {res.recompute_s:.2f}s; load {res.load_s:.2f}s "
                 + (f"(deadline missed by {res.load_s - slo:.2f}s)" if res.missed else "(deadline met)")
-                + (f"; faults: {'; '.join(res.faults)}" if res.faults else ""))
+                + (f"; faults: {'; '.join(res.faults)}" if res.faults else "")
+            )
         say(f"    answer: {b.text.strip()!r}  ({'correct' if corpus.is_correct(b.text, case) else 'WRONG'})")
         say(f"    time to first token: {b.ttft_s:.2f}s ({a.ttft_s / max(b.ttft_s, 1e-9):.1f}x faster than recompute)")
 

@@ -46,11 +46,17 @@ def _add_verbosity(p: argparse.ArgumentParser) -> None:
     v = [s for s in ("-v", "--verbose") if s not in taken]
     q = [s for s in ("-q", "--quiet") if s not in taken]
     if v:
-        p.add_argument(*v, dest="_verbose", action="count", default=argparse.SUPPRESS,
-                       help="show debug messages of cachegen's modules")
+        p.add_argument(
+            *v,
+            dest="_verbose",
+            action="count",
+            default=argparse.SUPPRESS,
+            help="show debug messages of cachegen's modules",
+        )
     if q:
-        p.add_argument(*q, dest="_quiet", action="store_true", default=argparse.SUPPRESS,
-                       help="show errors only, no progress bars")
+        p.add_argument(
+            *q, dest="_quiet", action="store_true", default=argparse.SUPPRESS, help="show errors only, no progress bars"
+        )
 
 
 def _walk(p: argparse.ArgumentParser):
@@ -170,8 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         import traceback
 
         traceback.print_exc()
-        print(f"cachegen {__version__}: internal error (a bug, not your mistake): please report it with the "
-              "traceback above", file=sys.stderr)
+        print(
+            f"cachegen {__version__}: internal error (a bug, not your mistake): please report it with the "
+            "traceback above",
+            file=sys.stderr,
+        )
         return EXIT_BUG
 
 

@@ -42,10 +42,16 @@ def rows() -> list[dict]:
             installed = version is not None and all(p.is_file() for p in spec.parts())
         except ModelNotFound:
             installed = False
-        out.append({"name": name, "package": spec.package + (f"=={version}" if version else ""),
-                    "installed": installed, "converted": converted(name),
-                    "positions": model_positions(name) if installed else None,
-                    "install": None if installed else spec.install})
+        out.append(
+            {
+                "name": name,
+                "package": spec.package + (f"=={version}" if version else ""),
+                "installed": installed,
+                "converted": converted(name),
+                "positions": model_positions(name) if installed else None,
+                "install": None if installed else spec.install,
+            }
+        )
     return out
 
 
@@ -56,16 +62,27 @@ def run(args: argparse.Namespace) -> int:
 
         t = time.perf_counter()
         lm = load_model(args.prepare)
-        res = {"name": lm.name, "path": str(lm.path), "fingerprint": lm.fingerprint,
-               "seconds": round(time.perf_counter() - t, 2)}
+        res = {
+            "name": lm.name,
+            "path": str(lm.path),
+            "fingerprint": lm.fingerprint,
+            "seconds": round(time.perf_counter() - t, 2),
+        }
         print(f"{lm.name}: ready at {lm.path} (fingerprint {lm.fingerprint}) in {res['seconds']:.1f}s")
         write_json(res, args.json)
         return 0
     from cachegen.bench.plots import table
 
     rs = rows()
-    shown = [{**r, "installed": "yes" if r["installed"] else f"no: {r['install']}",
-              "converted": "yes" if r["converted"] else "no", "positions": r["positions"] or "?"} for r in rs]
+    shown = [
+        {
+            **r,
+            "installed": "yes" if r["installed"] else f"no: {r['install']}",
+            "converted": "yes" if r["converted"] else "no",
+            "positions": r["positions"] or "?",
+        }
+        for r in rs
+    ]
     print(table(shown, COLS))
     write_json(rs, args.json)
     return 0

@@ -23,8 +23,12 @@ _real_stdout: Any = None  # the stdout saved by json_mode while it is active
 
 def add_json(p: argparse.ArgumentParser, what: str = "the results") -> None:
     """The one ``--json`` option: a path, or ``-`` for stdout (everything else then goes to stderr)."""
-    p.add_argument("--json", metavar="PATH", default=None,
-                   help=f"write {what} as JSON to PATH; '-' writes only JSON to stdout (other output to stderr)")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help=f"write {what} as JSON to PATH; '-' writes only JSON to stdout (other output to stderr)",
+    )
 
 
 @contextlib.contextmanager

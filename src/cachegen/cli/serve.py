@@ -21,40 +21,96 @@ _TRUE = {"1", "true", "yes", "on"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions, /v1/completions) "
-                                     "that reuses stored contexts automatically",
-                       description="Serve the model over OpenAI's API. Every flag can also be set with the "
-                                   "environment variable CACHEGEN_<FLAG> (e.g. CACHEGEN_API_KEY, CACHEGEN_PORT).")
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (/v1/chat/completions, /v1/completions) "
+        "that reuses stored contexts automatically",
+        description="Serve the model over OpenAI's API. Every flag can also be set with the "
+        "environment variable CACHEGEN_<FLAG> (e.g. CACHEGEN_API_KEY, CACHEGEN_PORT).",
+    )
     options.model(p)
     options.store(p)
     options.chunk_tokens(p)
     options.levels(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8080, help="TCP port (default 8080)")
-    p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: no key)")
-    p.add_argument("--slo-s", type=checks.positive_float, default=None, metavar="SECONDS",
-                   help="default deadline for loading a prompt's stored prefix (default: none, best quality); "
-                        "a request overrides it with cachegen.slo_s")
-    p.add_argument("--max-queue", type=_non_negative, default=16, metavar="N",
-                   help="requests that may wait for the model; more get 429 (default 16)")
-    p.add_argument("--max-tokens", type=checks.positive_int, default=256, metavar="N",
-                   help="answer length of a chat request that sets no max_tokens (default 256)")
-    p.add_argument("--max-body-bytes", type=checks.positive_int, default=2 << 20, metavar="N",
-                   help="largest request body (default 2 MiB)")
-    p.add_argument("--max-json-depth", type=checks.positive_int, default=64, metavar="N",
-                   help="deepest JSON nesting accepted (default 64)")
-    p.add_argument("--read-timeout-s", type=checks.positive_float, default=30.0, metavar="SECONDS",
-                   help="a request body must arrive within this (default 30)")
-    p.add_argument("--keep-alive-s", type=checks.positive_float, default=5.0, metavar="SECONDS",
-                   help="idle keep-alive connections close after this (default 5)")
-    p.add_argument("--max-connections", type=checks.positive_int, default=256, metavar="N",
-                   help="open connections beyond this get 503 (default 256)")
-    p.add_argument("--max-pending-writes", type=checks.positive_int, default=8, metavar="N",
-                   help="background store writes that may wait; more are dropped and counted (default 8)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="the model's compute dtype (default bfloat16; float32 is faster on CPUs without AVX512-BF16; "
-                        "each dtype has its own chunks in the store)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: no key)",
+    )
+    p.add_argument(
+        "--slo-s",
+        type=checks.positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="default deadline for loading a prompt's stored prefix (default: none, best quality); "
+        "a request overrides it with cachegen.slo_s",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=_non_negative,
+        default=16,
+        metavar="N",
+        help="requests that may wait for the model; more get 429 (default 16)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=checks.positive_int,
+        default=256,
+        metavar="N",
+        help="answer length of a chat request that sets no max_tokens (default 256)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=checks.positive_int,
+        default=2 << 20,
+        metavar="N",
+        help="largest request body (default 2 MiB)",
+    )
+    p.add_argument(
+        "--max-json-depth",
+        type=checks.positive_int,
+        default=64,
+        metavar="N",
+        help="deepest JSON nesting accepted (default 64)",
+    )
+    p.add_argument(
+        "--read-timeout-s",
+        type=checks.positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a request body must arrive within this (default 30)",
+    )
+    p.add_argument(
+        "--keep-alive-s",
+        type=checks.positive_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="idle keep-alive connections close after this (default 5)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=checks.positive_int,
+        default=256,
+        metavar="N",
+        help="open connections beyond this get 503 (default 256)",
+    )
+    p.add_argument(
+        "--max-pending-writes",
+        type=checks.positive_int,
+        default=8,
+        metavar="N",
+        help="background store writes that may wait; more are dropped and counted (default 8)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the model's compute dtype (default bfloat16; float32 is faster on CPUs without AVX512-BF16; "
+        "each dtype has its own chunks in the store)",
+    )
     p.add_argument("--access-log", action="store_true", help="log every request")
     _env_defaults(p)
     p.set_defaults(func=run)
@@ -127,22 +183,45 @@ def run(args: argparse.Namespace) -> int:
         from cachegen.engine.engine import Engine
         from cachegen.serve import ServeConfig, create_app
 
-        with Engine.open(args.model, args.store, args.chunk_tokens, levels, progress=False,
-                         dtype=getattr(torch, args.dtype), profile=load_or_calibrate) as eng:
+        with Engine.open(
+            args.model,
+            args.store,
+            args.chunk_tokens,
+            levels,
+            progress=False,
+            dtype=getattr(torch, args.dtype),
+            profile=load_or_calibrate,
+        ) as eng:
             eng.writer.max_pending = args.max_pending_writes
             eng.costs()  # measured once per machine and cached: not on the first request's clock
-            cfg = ServeConfig(model_name=eng.lm.name, api_key=args.api_key or None, max_queue=args.max_queue,
-                              max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
-                              read_timeout_s=args.read_timeout_s, default_max_tokens=args.max_tokens,
-                              slo_s=args.slo_s)
+            cfg = ServeConfig(
+                model_name=eng.lm.name,
+                api_key=args.api_key or None,
+                max_queue=args.max_queue,
+                max_body_bytes=args.max_body_bytes,
+                max_json_depth=args.max_json_depth,
+                read_timeout_s=args.read_timeout_s,
+                default_max_tokens=args.max_tokens,
+                slo_s=args.slo_s,
+            )
             app = create_app(eng, cfg)
             host, port = sock.getsockname()[:2]
-            print(f"cachegen serving {eng.lm.name} on http://{host}:{port}/v1 "
-                  f"({'API key required' if cfg.api_key else 'no API key'})", flush=True)
-            server = uvicorn.Server(uvicorn.Config(
-                app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
-                timeout_keep_alive=int(max(args.keep_alive_s, 1)), limit_concurrency=args.max_connections,
-                h11_max_incomplete_event_size=64 * 1024, lifespan="on"))
+            print(
+                f"cachegen serving {eng.lm.name} on http://{host}:{port}/v1 "
+                f"({'API key required' if cfg.api_key else 'no API key'})",
+                flush=True,
+            )
+            server = uvicorn.Server(
+                uvicorn.Config(
+                    app,
+                    log_level="info" if args.access_log else "warning",
+                    access_log=args.access_log,
+                    timeout_keep_alive=int(max(args.keep_alive_s, 1)),
+                    limit_concurrency=args.max_connections,
+                    h11_max_incomplete_event_size=64 * 1024,
+                    lifespan="on",
+                )
+            )
             server.run(sockets=[sock])
     finally:
         sock.close()

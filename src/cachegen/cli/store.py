@@ -43,8 +43,12 @@ def register(subparsers) -> argparse.ArgumentParser:
 
     p = sub.add_parser("evict", help="drop least recently used chunks down to a size (default: the store's cap)")
     options.store(p)
-    p.add_argument("--max-bytes", default=None, metavar="SIZE",
-                   help="keep at most this many payload bytes, e.g. 500M (default: the store's cap; Redis needs it)")
+    p.add_argument(
+        "--max-bytes",
+        default=None,
+        metavar="SIZE",
+        help="keep at most this many payload bytes, e.g. 500M (default: the store's cap; Redis needs it)",
+    )
     p.set_defaults(func=cmd_evict)
 
     p = sub.add_parser("clear", help="remove every chunk from the store")
@@ -125,6 +129,8 @@ def cmd_ingest(args) -> int:
 
     with Engine.open(args.model, args.store, args.chunk_tokens, levels, profile=load_or_calibrate) as eng:
         r = eng.ingest_text(text, progress=True)
-    print(f"ingested {r.chunks} chunks, {r.tokens} tokens ({r.written} chunks written) into "
-          f"{redact(args.store or default_store_url())}")
+    print(
+        f"ingested {r.chunks} chunks, {r.tokens} tokens ({r.written} chunks written) into "
+        f"{redact(args.store or default_store_url())}"
+    )
     return 0

@@ -11,6 +11,7 @@ into byte planes, rANS-coded with per-chunk tables (one stream per column).
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import zlib
 from collections.abc import Iterator
@@ -74,14 +75,24 @@ class Codec:
 
     name = "cachegen"
 
-    def __init__(self, profile: Profile | None = None, model_fingerprint: str = "", threads: int = 2,
-                 max_tokens: int = DEFAULT_MAX_TOKENS):
+    def __init__(
+        self,
+        profile: Profile | None = None,
+        model_fingerprint: str = "",
+        threads: int = 2,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+    ):
         if not 1 <= max_tokens <= MAX_POSITION:
             raise ConfigError(f"max_tokens must be 1..{MAX_POSITION}, not {max_tokens}")
         self.max_tokens = int(max_tokens)
         self.profile = profile
         self.model_fingerprint = model_fingerprint or (profile.model_fingerprint if profile else "")
-        if profile is not None and model_fingerprint and profile.model_fingerprint and model_fingerprint != profile.model_fingerprint:
+        if (
+            profile is not None
+            and model_fingerprint
+            and profile.model_fingerprint
+            and model_fingerprint != profile.model_fingerprint
+        ):
             raise ProfileMismatch(f"profile is for model {profile.model_fingerprint}, codec for {model_fingerprint}")
         self.threads = max(1, int(threads))
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
@@ -108,7 +119,9 @@ class Codec:
             raise ConfigError(f"chunk start {kv.start} out of range")
         if not all(torch.isfinite(t).all() for l in kv.layers for t in (l.k, l.v)):
             raise CodecError("the KV holds NaN or Inf: no chunk carries non-finite values (a decoder refuses them)")
-        layers = tuple(LayerShape(l.kind, l.window, int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in kv.layers)
+        layers = tuple(
+            LayerShape(l.kind, l.window, int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in kv.layers
+        )
         xs = [t for l in kv.layers for t in (l.k, l.v)]
         inline: bytes | None = None
         pid = ""
@@ -131,13 +144,36 @@ class Codec:
             lp = prof.levels[level]
             tables, cls = lp.padded_tables(), lp.classes(prof.sections)
             u_tables = prof.u_tables() if prof.u_freqs is not None else None
-            jobs = [(kv.layers[li], prof.sections[2 * li : 2 * li + 2], lp.steps[2 * li : 2 * li + 2], cls[2 * li : 2 * li + 2],
-                     tables, u_tables, sink, kv.start) for li in range(len(kv.layers))]
+            jobs = [
+                (
+                    kv.layers[li],
+                    prof.sections[2 * li : 2 * li + 2],
+                    lp.steps[2 * li : 2 * li + 2],
+                    cls[2 * li : 2 * li + 2],
+                    tables,
+                    u_tables,
+                    sink,
+                    kv.start,
+                )
+                for li in range(len(kv.layers))
+            ]
             bodies = [b for pair in self._map(_encode_layer, jobs) for b in pair]
         secs = ([inline] if inline is not None else []) + bodies
         h = ChunkHeader(
-            FORMAT_VERSION, self.model_fingerprint, pid, level, key_digest(key), kv.start, kv.num_tokens, dtype, layers, sink,
-            inline is not None, tuple(len(s) for s in secs), tuple(zlib.crc32(s) for s in secs), 0,
+            FORMAT_VERSION,
+            self.model_fingerprint,
+            pid,
+            level,
+            key_digest(key),
+            kv.start,
+            kv.num_tokens,
+            dtype,
+            layers,
+            sink,
+            inline is not None,
+            tuple(len(s) for s in secs),
+            tuple(zlib.crc32(s) for s in secs),
+            0,
         )
         return pack_header(h) + b"".join(secs)
 
@@ -218,10 +254,8 @@ class Codec:
             self._pool.shutdown()
 
     def __del__(self) -> None:  # pragma: no cover
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
 
 def quant_levels() -> tuple[int, ...]:
@@ -236,13 +270,15 @@ def layer_inputs(layer: KVLayer, sps, sink: int, start: int) -> tuple[list[np.nd
     the sink tokens, and each section's per-token multipliers ``u`` (the token-importance
     predictor reads the layer's keys and values together)."""
     ys = [forward_section(sp, x[:, sink:], start + sink) for sp, x in zip(sps, (layer.k, layer.v))]
-    us = importance.layer_multipliers([sp.imp for sp in sps], ys[0], ys[1], sps[0].heads,
-                                      start + sink + np.arange(ys[0].shape[0]))
+    us = importance.layer_multipliers(
+        [sp.imp for sp in sps], ys[0], ys[1], sps[0].heads, start + sink + np.arange(ys[0].shape[0])
+    )
     return ys, us
 
 
-def section_symbols(y: np.ndarray, u: np.ndarray, step: np.ndarray, cls: np.ndarray,
-                    tables: rans.Tables) -> tuple[np.ndarray, np.ndarray, int]:
+def section_symbols(
+    y: np.ndarray, u: np.ndarray, step: np.ndarray, cls: np.ndarray, tables: rans.Tables
+) -> tuple[np.ndarray, np.ndarray, int]:
     """rANS symbols (T, C) of a transformed section, its escaped integers and their count: the
     step of ``(t, c)`` is ``step[c] * 2^(u[t]/2)``, its table ``cls[c] + TABLE_PAD - u[t]`` of
     ``tables`` (:meth:`~cachegen.codec.profile.LevelParams.padded_tables`)."""
@@ -263,14 +299,25 @@ def _encode_layer(job) -> tuple[bytes, bytes]:
     return out[0], out[1]
 
 
-def _encode_section(x: torch.Tensor, y: np.ndarray, u: np.ndarray, send_u: bool, step: np.ndarray, cls: np.ndarray,
-                    tables: rans.Tables, u_tables: rans.Tables | None, sink: int) -> bytes:
+def _encode_section(
+    x: torch.Tensor,
+    y: np.ndarray,
+    u: np.ndarray,
+    send_u: bool,
+    step: np.ndarray,
+    cls: np.ndarray,
+    tables: rans.Tables,
+    u_tables: rans.Tables | None,
+    sink: int,
+) -> bytes:
     sink_raw = _bytes_view(x[:, :sink]).tobytes() if sink else b""
     sym, esc, n_esc = section_symbols(y, u, step, cls, tables)
     words = rans.encode_interleaved(sym, cls + TABLE_PAD, tables, row_shift=-u)
     parts = [struct.pack("<I", len(sink_raw)), sink_raw, struct.pack("<I", n_esc), esc[:n_esc].astype("<i4").tobytes()]
     if send_u:
-        uw = rans.encode_interleaved((u - importance.U_MIN).astype(np.uint8)[:, None], np.zeros(1, dtype=np.int64), u_tables)
+        uw = rans.encode_interleaved(
+            (u - importance.U_MIN).astype(np.uint8)[:, None], np.zeros(1, dtype=np.int64), u_tables
+        )
         parts += [struct.pack("<I", uw.size), uw.astype("<u2").tobytes()]
     parts.append(words.astype("<u2").tobytes())
     return b"".join(parts)
@@ -299,7 +346,12 @@ def _encode_lossless(x: torch.Tensor) -> bytes:
         freqs = _lossless_tables(plane)
         tables = rans.Tables.build([rans.Categorical(freqs, PRECISION)])
         words, lengths = rans.encode_columns(plane, np.zeros(h * d, dtype=np.int64), tables, check=False)
-        out += [freqs.astype("<u2").tobytes(), struct.pack("<I", words.size), lengths.astype("<u4").tobytes(), words.astype("<u2").tobytes()]
+        out += [
+            freqs.astype("<u2").tobytes(),
+            struct.pack("<I", words.size),
+            lengths.astype("<u4").tobytes(),
+            words.astype("<u2").tobytes(),
+        ]
     return b"".join(out)
 
 
@@ -370,7 +422,10 @@ def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, pr
             raise CorruptChunk(f"section {i}: multiplier stream longer than the section")
         uw = np.frombuffer(r.take(2 * nu), dtype="<u2")
         rans.check_budget(t, 1, uw.size, u_tables, f"section {i} multipliers")
-        u = rans.decode_interleaved(uw, t, np.zeros(1, dtype=np.int64), u_tables)[:, 0].astype(np.int64) + importance.U_MIN
+        u = (
+            rans.decode_interleaved(uw, t, np.zeros(1, dtype=np.int64), u_tables)[:, 0].astype(np.int64)
+            + importance.U_MIN
+        )
         if u.max() > importance.U_MAX:
             raise CorruptChunk(f"section {i}: multiplier out of range")
     wb = r.rest()

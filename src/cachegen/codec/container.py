@@ -34,7 +34,9 @@ from cachegen.errors import CorruptChunk, FormatVersionError, KeyMismatch
 from cachegen.kv import LayerKind
 
 MAGIC = b"CGKC"
-FORMAT_VERSION = 4  # 2: lossy sections are one interleaved rANS stream (16 shared states); 3: + per-token step multipliers;
+FORMAT_VERSION = (
+    4  # 2: lossy sections are one interleaved rANS stream (16 shared states); 3: + per-token step multipliers;
+)
 # 4: + the chunk key's digest in the header; lossless tables never give a symbol p > LOSSLESS_MAX_FREQ / 4096
 FLAG_INLINE_PROFILE = 1
 
@@ -116,8 +118,12 @@ def pack_header(h: ChunkHeader) -> bytes:
     pid = bytes.fromhex(h.profile_id) if h.profile_id else bytes(16)
     if len(h.key_digest) != DIGEST_SIZE:
         raise ValueError("bad key digest")
-    body = [_FIX.pack(h.level, DTYPE_CODES[h.dtype], FLAG_INLINE_PROFILE if h.inline_profile else 0, len(fp)), fp, pid.ljust(16, b"\0")[:16],
-            h.key_digest]
+    body = [
+        _FIX.pack(h.level, DTYPE_CODES[h.dtype], FLAG_INLINE_PROFILE if h.inline_profile else 0, len(fp)),
+        fp,
+        pid.ljust(16, b"\0")[:16],
+        h.key_digest,
+    ]
     body.append(_POS.pack(h.start, h.num_tokens, len(h.layers), h.sink_tokens, len(h.section_lengths)))
     for l in h.layers:
         body.append(_LAYER.pack(KIND_CODES[l.kind], l.window or 0, l.heads, l.k_dim, l.v_dim))
@@ -138,7 +144,9 @@ def parse_header(data: bytes | memoryview) -> ChunkHeader:
     if magic != MAGIC:
         raise CorruptChunk("bad magic: not a cachegen chunk")
     if version != FORMAT_VERSION:
-        raise FormatVersionError(f"chunk format version {version}; this cachegen reads version {FORMAT_VERSION} (re-encode the chunk)")
+        raise FormatVersionError(
+            f"chunk format version {version}; this cachegen reads version {FORMAT_VERSION} (re-encode the chunk)"
+        )
     end = _PRE.size + hlen
     if end + 4 > n:
         raise CorruptChunk("truncated header")
@@ -191,8 +199,20 @@ def parse_header(data: bytes | memoryview) -> ChunkHeader:
     except UnicodeDecodeError:
         raise CorruptChunk("fingerprint is not ascii") from None
     h = ChunkHeader(
-        version, fp, pid.hex() if any(pid) else "", level, digest, start, tokens, DTYPES[dcode], tuple(layers), sink, inline,
-        tuple(lens), tuple(crcs), end + 4,
+        version,
+        fp,
+        pid.hex() if any(pid) else "",
+        level,
+        digest,
+        start,
+        tokens,
+        DTYPES[dcode],
+        tuple(layers),
+        sink,
+        inline,
+        tuple(lens),
+        tuple(crcs),
+        end + 4,
     )
     if h.num_values > MAX_VALUES:
         raise CorruptChunk("value count out of range")
@@ -221,7 +241,9 @@ class Reader:
 
     def take(self, n: int) -> memoryview:
         if n < 0 or self.p + n > len(self.mv):
-            raise CorruptChunk(f"{self.what}: truncated (need {n} bytes at offset {self.p}, have {len(self.mv) - self.p})")
+            raise CorruptChunk(
+                f"{self.what}: truncated (need {n} bytes at offset {self.p}, have {len(self.mv) - self.p})"
+            )
         b = self.mv[self.p : self.p + n]
         self.p += n
         return b

@@ -66,7 +66,11 @@ def _pca(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     sign[sign == 0] = 1
     evecs = evecs * sign
     std = (xc @ evecs).std(dim=1)
-    return mean.reshape(-1).numpy().astype(np.float32), evecs.numpy().astype(np.float32), std.reshape(-1).numpy().astype(np.float32)
+    return (
+        mean.reshape(-1).numpy().astype(np.float32),
+        evecs.numpy().astype(np.float32),
+        std.reshape(-1).numpy().astype(np.float32),
+    )
 
 
 def _inverse_rows(sp: SectionParams) -> np.ndarray | None:
@@ -86,7 +90,11 @@ def component_sensitivity(sp: SectionParams, sens) -> np.ndarray:
         out = np.full(n, max(float(a), 1e-30))
         return out if sp.inv is None else np.maximum(out * np.einsum("hjd,hjd->hj", r, r).reshape(-1), 1e-30)
     if a.shape == (sp.heads, sp.dim, sp.dim):
-        out = np.diagonal(a, axis1=1, axis2=2).reshape(-1) if r is None else np.einsum("hjd,hde,hje->hj", r, a, r).reshape(-1)
+        out = (
+            np.diagonal(a, axis1=1, axis2=2).reshape(-1)
+            if r is None
+            else np.einsum("hjd,hde,hje->hj", r, a, r).reshape(-1)
+        )
     elif a.shape == (n,):
         out = a if r is None else np.einsum("hjd,hd->hj", r * r, a.reshape(sp.heads, sp.dim)).reshape(-1)
     else:
@@ -94,7 +102,9 @@ def component_sensitivity(sp: SectionParams, sens) -> np.ndarray:
     return np.maximum(out, 1e-30)
 
 
-def _fisher_klt(x: torch.Tensor, fisher: np.ndarray, ridge: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _fisher_klt(
+    x: torch.Tensor, fisher: np.ndarray, ridge: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Fisher-weighted KLT per head: ``A = (F + ridge*tr(F)/D*I)^(1/2)``, PCA of ``A x``.
 
     Returns mean (H*D,), basis ``A U`` (H, D, D), its inverse ``U^T A^-1`` and component std (H*D,).
@@ -115,7 +125,7 @@ def _fisher_klt(x: torch.Tensor, fisher: np.ndarray, ridge: float) -> tuple[np.n
         Ai = (V / np.sqrt(ev)) @ V.T
         u = xc[k] @ A
         cov = u.T @ u / max(1, n - 1)
-        w, U = np.linalg.eigh(cov)
+        _w, U = np.linalg.eigh(cov)
         U = U[:, ::-1]
         idx = np.abs(U).argmax(axis=0)
         sg = np.sign(U[idx, np.arange(d)])
@@ -124,8 +134,12 @@ def _fisher_klt(x: torch.Tensor, fisher: np.ndarray, ridge: float) -> tuple[np.n
         bases.append(A @ U)
         invs.append(U.T @ Ai)
         stds.append((u @ U).std(axis=0))
-    return (mean.reshape(-1).numpy().astype(np.float32), np.stack(bases).astype(np.float32),
-            np.stack(invs).astype(np.float32), np.concatenate(stds).astype(np.float32))
+    return (
+        mean.reshape(-1).numpy().astype(np.float32),
+        np.stack(bases).astype(np.float32),
+        np.stack(invs).astype(np.float32),
+        np.concatenate(stds).astype(np.float32),
+    )
 
 
 def _water_level(s: np.ndarray, var: np.ndarray, kl: float) -> float:
@@ -221,7 +235,9 @@ def calibrate(
         x = _section_values(samples, i, n_sink, spec)
         h, d = x.shape[0], x.shape[2]
         if x.shape[1] < 2:  # nothing to learn from: identity transform, unit scale
-            sections.append(SectionParams(h, d, np.zeros(h * d, np.float32), np.ones(h * d, np.float32), None, None, spec))
+            sections.append(
+                SectionParams(h, d, np.zeros(h * d, np.float32), np.ones(h * d, np.float32), None, None, spec)
+            )
             continue
         inv = None
         sens_i = None if sensitivity is None else np.asarray(sensitivity[i], dtype=np.float64)
@@ -246,8 +262,13 @@ def calibrate(
             for j, kv in enumerate(samples):
                 start = _nonsink(kv, 2 * li, n_sink)[1]
                 yk, yv = ys[2 * li][j], ys[2 * li + 1][j]
-                pair = importance.layer_multipliers([sections[2 * li].imp, sections[2 * li + 1].imp], yk, yv, dims[li][0],
-                                                    start + np.arange(yk.shape[0]))
+                pair = importance.layer_multipliers(
+                    [sections[2 * li].imp, sections[2 * li + 1].imp],
+                    yk,
+                    yv,
+                    dims[li][0],
+                    start + np.arange(yk.shape[0]),
+                )
                 for i, u in zip((2 * li, 2 * li + 1), pair):
                     us[i][j] = u
                     u_counts += np.bincount(u - importance.U_MIN, minlength=importance.N_U)
@@ -263,8 +284,16 @@ def calibrate(
             for y, u in zip(ys[i], us[i]):
                 sym = np.empty(y.shape, dtype=np.uint8)
                 esc = np.empty(y.size + 1, dtype=np.int32)
-                quant.quantize(y, (1.0 / steps[i]).astype(np.float32), 1.0 / importance.row_scale(u), cls_[i] + TABLE_PAD,
-                               -u, allow, sym, esc)
+                quant.quantize(
+                    y,
+                    (1.0 / steps[i]).astype(np.float32),
+                    1.0 / importance.row_scale(u),
+                    cls_[i] + TABLE_PAD,
+                    -u,
+                    allow,
+                    sym,
+                    esc,
+                )
                 quant.histogram_classes(sym, cls_[i], counts, -u)
         level_params[lv] = LevelParams(steps, quant.tables_from_counts(counts, PRECISION))
     m = dict(meta or {})

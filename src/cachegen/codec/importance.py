@@ -71,8 +71,9 @@ def to_u(log_sens: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(-log_sens / np.log(2.0)), U_MIN, U_MAX).astype(np.int64)
 
 
-def layer_multipliers(models: Sequence[ImportanceModel | None], yk: np.ndarray, yv: np.ndarray, heads: int,
-                      positions: np.ndarray) -> list[np.ndarray]:
+def layer_multipliers(
+    models: Sequence[ImportanceModel | None], yk: np.ndarray, yv: np.ndarray, heads: int, positions: np.ndarray
+) -> list[np.ndarray]:
     """``u`` per token for each of ``models`` (a layer's K and V sections; None: zeros) from the
     layer's transformed sections (T, H*D) float32: ``to_u(model.log_sensitivity(features(...)))``
     without building the feature matrix (~20x less memory traffic; the encoder's and the
@@ -92,9 +93,14 @@ def layer_multipliers(models: Sequence[ImportanceModel | None], yk: np.ndarray, 
             out.append(np.zeros(t, dtype=np.int64))
             continue
         w = m.weights
-        pred = (np.einsum("thd,hd->th", k, w[:, :dk]).astype(np.float64) + np.einsum("thd,hd->th", v, w[:, dk:dk + dv])
-                + lk * w[:, dk + dv].astype(np.float64) + lv * w[:, dk + dv + 1].astype(np.float64)
-                + lp * w[:, dk + dv + 2].astype(np.float64) + w[:, -1].astype(np.float64))
+        pred = (
+            np.einsum("thd,hd->th", k, w[:, :dk]).astype(np.float64)
+            + np.einsum("thd,hd->th", v, w[:, dk : dk + dv])
+            + lk * w[:, dk + dv].astype(np.float64)
+            + lv * w[:, dk + dv + 1].astype(np.float64)
+            + lp * w[:, dk + dv + 2].astype(np.float64)
+            + w[:, -1].astype(np.float64)
+        )
         out.append(to_u(m.combine_heads(pred.T)))
     return out
 

@@ -190,12 +190,25 @@ class Profile:
             blob = mv[10 + jlen :]
             arrays: dict[str, np.ndarray] = {}
             for name, dt, shape, off, nb in hdr["arrays"]:
-                if dt not in _DTYPES or not isinstance(off, int) or not isinstance(nb, int) or off < 0 or off + nb > len(blob):
+                if (
+                    dt not in _DTYPES
+                    or not isinstance(off, int)
+                    or not isinstance(nb, int)
+                    or off < 0
+                    or off + nb > len(blob)
+                ):
                     raise CorruptChunk(f"profile array {name!r} out of bounds")
                 dtype = np.dtype(_DTYPES[dt]).newbyteorder("<")
-                if any((not isinstance(d, int)) or d < 0 for d in shape) or int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != nb:
+                if (
+                    any((not isinstance(d, int)) or d < 0 for d in shape)
+                    or int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != nb
+                ):
                     raise CorruptChunk(f"profile array {name!r} has a bad shape")
-                arrays[name] = np.frombuffer(blob, dtype=dtype, count=nb // dtype.itemsize, offset=off).reshape(shape).astype(dtype.newbyteorder("="))
+                arrays[name] = (
+                    np.frombuffer(blob, dtype=dtype, count=nb // dtype.itemsize, offset=off)
+                    .reshape(shape)
+                    .astype(dtype.newbyteorder("="))
+                )
             if hdr["precision"] != PRECISION:
                 raise CorruptChunk("profile precision unsupported")
             dims = [tuple(int(x) for x in d) for d in hdr["layer_dims"]]
@@ -210,21 +223,39 @@ class Profile:
                 inv = arrays.get(f"inv/{i}")
                 if inv is not None and basis is None:
                     raise CorruptChunk(f"profile section {i} has an inverse without a basis")
-                if mean.shape != (h * d,) or std.shape != (h * d,) or any(b is not None and b.shape != (h, d, d) for b in (basis, inv)):
+                if (
+                    mean.shape != (h * d,)
+                    or std.shape != (h * d,)
+                    or any(b is not None and b.shape != (h, d, d) for b in (basis, inv))
+                ):
                     raise CorruptChunk(f"profile section {i} has wrong shapes")
-                if not (np.isfinite(mean).all() and np.isfinite(std).all() and all(b is None or np.isfinite(b).all() for b in (basis, inv))):
+                if not (
+                    np.isfinite(mean).all()
+                    and np.isfinite(std).all()
+                    and all(b is None or np.isfinite(b).all() for b in (basis, inv))
+                ):
                     raise CorruptChunk(f"profile section {i} holds non-finite values")
                 rope_a = arrays.get(f"rope/{i}")
                 spec = None
                 if rope_a is not None:
-                    if rope_a.ndim != 1 or not 2 <= rope_a.shape[0] <= d // 2 + 1 or not np.isfinite(rope_a).all() or not 1e-3 <= rope_a[-1] <= 1e3:
+                    if (
+                        rope_a.ndim != 1
+                        or not 2 <= rope_a.shape[0] <= d // 2 + 1
+                        or not np.isfinite(rope_a).all()
+                        or not 1e-3 <= rope_a[-1] <= 1e3
+                    ):
                         raise CorruptChunk(f"profile section {i} has an invalid rotary spec")
                     spec = RopeSpec.from_array(rope_a)
                 imp = None
                 if f"imp/{i}" in arrays:
                     w, off = arrays[f"imp/{i}"], arrays.get(f"impoff/{i}")
                     f = dims[i // 2][1] + dims[i // 2][2] + importance.N_EXTRA + 1
-                    if w.shape != (h, f) or off is None or off.shape != (1,) or not (np.isfinite(w).all() and np.isfinite(off).all()):
+                    if (
+                        w.shape != (h, f)
+                        or off is None
+                        or off.shape != (1,)
+                        or not (np.isfinite(w).all() and np.isfinite(off).all())
+                    ):
                         raise CorruptChunk(f"profile section {i} has an invalid importance model")
                     imp = ImportanceModel(w, float(off[0]))
                 sections.append(SectionParams(h, d, mean, std, basis, inv, spec, imp))
@@ -239,15 +270,26 @@ class Profile:
             for lv in hdr["levels"]:
                 lv = int(lv)
                 freqs = arrays[f"freqs/{lv}"].astype(np.int64)
-                if freqs.shape != (quant.N_CLASSES, quant.ALPHABET) or (freqs.sum(axis=1) != 1 << PRECISION).any() or (freqs[:, quant.ESCAPE] < 1).any():
+                if (
+                    freqs.shape != (quant.N_CLASSES, quant.ALPHABET)
+                    or (freqs.sum(axis=1) != 1 << PRECISION).any()
+                    or (freqs[:, quant.ESCAPE] < 1).any()
+                ):
                     raise CorruptChunk(f"profile level {lv} tables invalid")
                 steps = [arrays[f"step/{lv}/{i}"] for i in range(len(sections))]
                 for s, st in zip(sections, steps):
                     if st.shape != s.mean.shape or not (np.isfinite(st).all() and (st > 0).all()):
                         raise CorruptChunk(f"profile level {lv} steps invalid")
                 levels[lv] = LevelParams(steps, freqs)
-            prof = cls(str(hdr["model_fingerprint"]), dims, sections, levels, int(hdr["n_sink"]), dict(hdr.get("meta") or {}),
-                       u_freqs)
+            prof = cls(
+                str(hdr["model_fingerprint"]),
+                dims,
+                sections,
+                levels,
+                int(hdr["n_sink"]),
+                dict(hdr.get("meta") or {}),
+                u_freqs,
+            )
             if not (0 <= prof.n_sink <= 1 << 16):
                 raise CorruptChunk("profile sink count invalid")
         except CorruptChunk:
@@ -272,4 +314,6 @@ class Profile:
     def check_layout(self, kv: KVCache) -> None:
         dims = [(l.k.shape[0], l.k.shape[2], l.v.shape[2]) for l in kv.layers]
         if dims != [tuple(d) for d in self.layer_dims]:
-            raise ConfigError(f"KV layout ({len(dims)} layers, {dims[:2]}...) does not match the profile ({len(self.layer_dims)} layers, {self.layer_dims[:2]}...)")
+            raise ConfigError(
+                f"KV layout ({len(dims)} layers, {dims[:2]}...) does not match the profile ({len(self.layer_dims)} layers, {self.layer_dims[:2]}...)"
+            )

@@ -96,7 +96,9 @@ def laplace_prior(ratio: float) -> np.ndarray:
     return out
 
 
-def histogram_classes(sym: np.ndarray, cls: np.ndarray, counts: np.ndarray, row_shift: np.ndarray | None = None) -> None:
+def histogram_classes(
+    sym: np.ndarray, cls: np.ndarray, counts: np.ndarray, row_shift: np.ndarray | None = None
+) -> None:
     """Accumulate ``counts[class, symbol]`` from sym (T, C); the class of ``(t, c)`` is
     ``cls[c] + row_shift[t]`` clipped to the table range."""
     if row_shift is None:

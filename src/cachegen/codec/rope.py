@@ -58,7 +58,9 @@ def _half_tables(inv_freq: bytes, scale: float, start: int, n: int) -> tuple[np.
     inv = np.frombuffer(inv_freq, dtype=np.float32)
     pos = np.arange(start, start + n, dtype=np.int64).astype(np.float32)
     freqs = pos[:, None] * inv[None, :]  # float32, as transformers computes the angles
-    return (np.cos(freqs) * np.float32(scale)).astype(np.float32), (np.sin(freqs) * np.float32(scale)).astype(np.float32)
+    return (np.cos(freqs) * np.float32(scale)).astype(np.float32), (np.sin(freqs) * np.float32(scale)).astype(
+        np.float32
+    )
 
 
 @njit(nogil=True, cache=True, boundscheck=False)

@@ -27,8 +27,9 @@ def forward_section(sp: SectionParams, x: torch.Tensor, start: int = 0) -> np.nd
     return np.ascontiguousarray(xc.permute(1, 0, 2).reshape(t, h * d).numpy())
 
 
-def inverse_section(sp: SectionParams, y: np.ndarray, heads: int, dim: int, dtype: torch.dtype,
-                    start: int = 0) -> torch.Tensor:
+def inverse_section(
+    sp: SectionParams, y: np.ndarray, heads: int, dim: int, dtype: torch.dtype, start: int = 0
+) -> torch.Tensor:
     """y (T, H*D) -> x (H, T, D) in ``dtype`` (``x = rope(y @ inv + mean)``, ``inv = basis.T`` unless given)."""
     t = y.shape[0]
     yt = torch.from_numpy(y).view(t, heads, dim).transpose(0, 1)  # (H, T, D) view

@@ -51,9 +51,17 @@ class Completion:
     ``cancelled()``: checked between model steps; true stops the generation.
     """
 
-    def __init__(self, engine: Engine, prompt_ids: Sequence[int], params: SamplingParams,
-                 opts: RequestOptions | None = None, *, messages: Sequence[dict] | None = None,
-                 load_ids: Sequence[int] | None = None, cancelled: Callable[[], bool] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        opts: RequestOptions | None = None,
+        *,
+        messages: Sequence[dict] | None = None,
+        load_ids: Sequence[int] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ):
         self.engine, self.params = engine, params
         self.opts = opts or RequestOptions()
         self.prompt = list(prompt_ids)
@@ -121,8 +129,9 @@ class Completion:
         dec = self._dec = Decoder(eng.model, kv)
         ts = TextStream(eng.tokenizer, self.params.stop)
         eos = frozenset() if self.params.ignore_eos else frozenset(eng.eos_ids)
-        steps = generate(dec, self.prompt[self.prefix_tokens:], Sampler(self.params), self.params.max_tokens, eos,
-                         self.cancelled)
+        steps = generate(
+            dec, self.prompt[self.prefix_tokens :], Sampler(self.params), self.params.max_tokens, eos, self.cancelled
+        )
         self.finish_reason = "length"
         for tok in steps:
             if self.ttft_s is None:

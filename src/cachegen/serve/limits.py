@@ -39,8 +39,9 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
         if not n.isdigit():
             raise APIError(400, "bad Content-Length header", "bad_request")
         if int(n) > max_bytes:
-            raise APIError(400, f"the request body of {int(n)} bytes exceeds the limit of {max_bytes} bytes",
-                           "body_too_large")
+            raise APIError(
+                400, f"the request body of {int(n)} bytes exceeds the limit of {max_bytes} bytes", "body_too_large"
+            )
     deadline = time.monotonic() + timeout_s
     parts: list[bytes] = []
     size = 0

@@ -24,38 +24,49 @@ class _WriterCollector:
         w = self.engine.writer
         s = w.stats
         yield GaugeMetricFamily("cachegen_writer_depth", "Background store writes queued or running", value=w.depth())
-        yield CounterMetricFamily("cachegen_writer_dropped_jobs", "Background writes dropped: the queue was full",
-                                  value=s.dropped)
-        yield CounterMetricFamily("cachegen_writer_dropped_chunks", "Chunks not stored: their write was dropped",
-                                  value=s.dropped_chunks)
-        yield CounterMetricFamily("cachegen_writer_written_chunks", "Chunks encoded and stored in the background",
-                                  value=s.written_chunks)
-        yield CounterMetricFamily("cachegen_writer_failed_jobs", "Background writes that failed (store errors)",
-                                  value=s.failed)
+        yield CounterMetricFamily(
+            "cachegen_writer_dropped_jobs", "Background writes dropped: the queue was full", value=s.dropped
+        )
+        yield CounterMetricFamily(
+            "cachegen_writer_dropped_chunks", "Chunks not stored: their write was dropped", value=s.dropped_chunks
+        )
+        yield CounterMetricFamily(
+            "cachegen_writer_written_chunks", "Chunks encoded and stored in the background", value=s.written_chunks
+        )
+        yield CounterMetricFamily(
+            "cachegen_writer_failed_jobs", "Background writes that failed (store errors)", value=s.failed
+        )
 
 
 class Metrics:
     def __init__(self, engine, worker):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("cachegen_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=r)
-        self.ttft = Histogram("cachegen_ttft_seconds", "Time to first token", ["endpoint"], buckets=_LATENCY,
-                              registry=r)
-        self.latency = Histogram("cachegen_request_seconds", "Whole-request latency", ["endpoint"],
-                                 buckets=_LATENCY, registry=r)
-        self.prompt_tokens = Counter("cachegen_prompt_tokens", "Prompt tokens by where their KV came from",
-                                     ["source"], registry=r)
-        self.fetched = Counter("cachegen_fetched_bytes", "Bytes fetched from the store per level", ["level"],
-                               registry=r)
-        self.levels = Counter("cachegen_level_choices", "Chunks loaded per level ('text': recomputed)", ["level"],
-                              registry=r)
+        self.requests = Counter(
+            "cachegen_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "cachegen_ttft_seconds", "Time to first token", ["endpoint"], buckets=_LATENCY, registry=r
+        )
+        self.latency = Histogram(
+            "cachegen_request_seconds", "Whole-request latency", ["endpoint"], buckets=_LATENCY, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "cachegen_prompt_tokens", "Prompt tokens by where their KV came from", ["source"], registry=r
+        )
+        self.fetched = Counter(
+            "cachegen_fetched_bytes", "Bytes fetched from the store per level", ["level"], registry=r
+        )
+        self.levels = Counter(
+            "cachegen_level_choices", "Chunks loaded per level ('text': recomputed)", ["level"], registry=r
+        )
         self.misses = Counter("cachegen_deadline_misses", "Loads that missed their deadline", registry=r)
-        self.fallbacks = Counter("cachegen_fallbacks", "Chunks recomputed instead of loaded, by reason",
-                                 ["reason"], registry=r)
-        self.store_errors = Counter("cachegen_store_errors", "Store faults met while loading (then recomputed)",
-                                    registry=r)
-        self.cancelled = Counter("cachegen_cancelled", "Generations stopped because the client went away",
-                                 registry=r)
+        self.fallbacks = Counter(
+            "cachegen_fallbacks", "Chunks recomputed instead of loaded, by reason", ["reason"], registry=r
+        )
+        self.store_errors = Counter(
+            "cachegen_store_errors", "Store faults met while loading (then recomputed)", registry=r
+        )
+        self.cancelled = Counter("cachegen_cancelled", "Generations stopped because the client went away", registry=r)
         q = Gauge("cachegen_queue_depth", "Requests waiting for the model", registry=r)
         q.set_function(lambda: worker.waiting)
         run = Gauge("cachegen_running", "Requests on the model now (0 or 1)", registry=r)

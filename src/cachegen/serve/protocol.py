@@ -104,8 +104,11 @@ def parse(body: dict, kind: str, default_max_tokens: int, default_slo: float | N
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else (default_max_tokens if kind == "chat" else 16),
             temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p, seed=seed, stop=stops,
-            ignore_eos=_bool(cg, "ignore_eos", False))
+            top_p=1.0 if top_p is None else top_p,
+            seed=seed,
+            stop=stops,
+            ignore_eos=_bool(cg, "ignore_eos", False),
+        )
     except ConfigError as e:
         raise APIError(400, str(e), "invalid_value") from None
     req = ParsedRequest(kind, params, opts, stream, include_usage, model or "")
@@ -129,9 +132,12 @@ def parse(body: dict, kind: str, default_max_tokens: int, default_slo: float | N
 
 
 def usage(run: Completion) -> dict:
-    return {"prompt_tokens": len(run.prompt), "completion_tokens": len(run.token_ids),
-            "total_tokens": len(run.prompt) + len(run.token_ids),
-            "prompt_tokens_details": {"cached_tokens": run.cached_tokens}}
+    return {
+        "prompt_tokens": len(run.prompt),
+        "completion_tokens": len(run.token_ids),
+        "total_tokens": len(run.prompt) + len(run.token_ids),
+        "prompt_tokens_details": {"cached_tokens": run.cached_tokens},
+    }
 
 
 def finish_reason(run: Completion) -> str:
@@ -151,8 +157,12 @@ class ResponseBuilder:
 
     def full(self, run: Completion) -> dict:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": run.text}, "logprobs": None,
-                      "finish_reason": finish_reason(run)}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": run.text},
+                "logprobs": None,
+                "finish_reason": finish_reason(run),
+            }
             out = self._head("chat.completion")
         else:
             choice = {"index": 0, "text": run.text, "logprobs": None, "finish_reason": finish_reason(run)}

@@ -56,10 +56,16 @@ def list_contexts(backend: Backend) -> list[ContextInfo]:
         for r in chain[1:]:
             levels &= set(r.sizes)
         first, last = chain[0], chain[-1]
-        out.append(ContextInfo(
-            id=last.key, tokens=last.start + last.num_tokens - first.start, chunks=len(chain),
-            levels=sorted(levels), bytes=sum(sum(r.sizes.values()) for r in chain), complete=first.start == 0,
-        ))
+        out.append(
+            ContextInfo(
+                id=last.key,
+                tokens=last.start + last.num_tokens - first.start,
+                chunks=len(chain),
+                levels=sorted(levels),
+                bytes=sum(sum(r.sizes.values()) for r in chain),
+                complete=first.start == 0,
+            )
+        )
     return out
 
 
@@ -67,8 +73,10 @@ def find_context(backend: Backend, context_id: str) -> list[ChunkRow]:
     """The chain of the one context whose id starts with ``context_id``."""
     want = context_id.strip().lower()
     if len(want) < MIN_ID_CHARS or any(c not in "0123456789abcdef" for c in want):
-        raise ConfigError(f"bad context id {context_id!r}: give at least {MIN_ID_CHARS} hex characters "
-                          "of an id that `cachegen store ls` prints")
+        raise ConfigError(
+            f"bad context id {context_id!r}: give at least {MIN_ID_CHARS} hex characters "
+            "of an id that `cachegen store ls` prints"
+        )
     found = [c for c in _chains(backend)[1] if c[-1].key.startswith(want)]
     if not found:
         raise ConfigError(f"no context {context_id!r} in {backend.url}: `cachegen store ls` lists them")
@@ -86,6 +94,7 @@ def remove_context(backend: Backend, context_id: str) -> int:
     if target in used:  # a prefix of a longer context: it stays, only its end mark goes
         backend.unmark_end(target)
     n = backend.delete_chunks(mine)
-    log.info("removed context %s: %d chunks (%d shared with other contexts kept)", target[:16], n,
-             len(chain) - len(mine))
+    log.info(
+        "removed context %s: %d chunks (%d shared with other contexts kept)", target[:16], n, len(chain) - len(mine)
+    )
     return n

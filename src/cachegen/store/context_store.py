@@ -93,8 +93,10 @@ class ContextStore:
             if self._wanted is None:
                 self.chunk_tokens = n
             elif n != self._wanted:
-                msg = (f"the store {redact(self.backend.url)} holds this model's chunks with {n} tokens each, "
-                       f"not {self._wanted}: pass --chunk-tokens {n} (chunk_tokens={n}) or use another store")
+                msg = (
+                    f"the store {redact(self.backend.url)} holds this model's chunks with {n} tokens each, "
+                    f"not {self._wanted}: pass --chunk-tokens {n} (chunk_tokens={n}) or use another store"
+                )
                 log.error("%s", msg)  # logged too: a loader that falls back on any error must not hide it
                 raise ConfigError(msg)
         self._checked = True
@@ -179,8 +181,16 @@ class ContextStore:
             payloads = {l: self._encode(part, l, ref.key) for l in missing}
             prev = full[i - 1].ref.key if i else ""
             self.backend.put_chunks(
-                [ChunkWrite(ref.key, raw[ref.start * 4 : ref.end * 4], payloads, start=ref.start, ends_context=last,
-                            prev=prev)]
+                [
+                    ChunkWrite(
+                        ref.key,
+                        raw[ref.start * 4 : ref.end * 4],
+                        payloads,
+                        start=ref.start,
+                        ends_context=last,
+                        prev=prev,
+                    )
+                ]
             )
             if payloads:
                 written.append(ref)

@@ -104,8 +104,10 @@ def _read_marker(root: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise StoreError(f"{root / MARKER} is unreadable ({e}): is {root} a cachegen store?") from None
     if fmt != STORE_FORMAT or version != STORE_VERSION:
-        raise ConfigError(f"{root} holds a store of format {fmt!r} version {version!r}; this cachegen reads "
-                          f"{STORE_FORMAT!r} version {STORE_VERSION}: use another directory")
+        raise ConfigError(
+            f"{root} holds a store of format {fmt!r} version {version!r}; this cachegen reads "
+            f"{STORE_FORMAT!r} version {STORE_VERSION}: use another directory"
+        )
 
 
 class LocalBackend(Backend):
@@ -116,8 +118,9 @@ class LocalBackend(Backend):
 
     local = True
 
-    def __init__(self, root: str | os.PathLike, max_bytes: int | None = None, busy_timeout: float = 30.0,
-                 create: bool = True):
+    def __init__(
+        self, root: str | os.PathLike, max_bytes: int | None = None, busy_timeout: float = 30.0, create: bool = True
+    ):
         self.root = Path(root).expanduser().resolve()
         self.url = f"file://{self.root}"
         self.blobs = self.root / "blobs"
@@ -145,8 +148,10 @@ class LocalBackend(Backend):
         """Use ``root`` only if it is a store, or (``create``) a new or empty directory it makes one of."""
         root = self.root
         if root == Path(root.anchor):
-            raise ConfigError(f"refusing to use the filesystem root {root} as a store: give a directory of its own, "
-                              "e.g. file://$HOME/.cache/cachegen/store")
+            raise ConfigError(
+                f"refusing to use the filesystem root {root} as a store: give a directory of its own, "
+                "e.g. file://$HOME/.cache/cachegen/store"
+            )
         if _is_store(root):
             return _read_marker(root)
         if root.is_dir() and (root / INDEX).is_file() and self.blobs.is_dir():
@@ -156,8 +161,9 @@ class LocalBackend(Backend):
         if root.exists() and not root.is_dir():
             raise ConfigError(f"{root} is a file, not a store directory: give a directory")
         if root.is_dir() and any(not _being_created(p.name) for p in root.iterdir()):
-            raise ConfigError(f"{root} is not empty and is not a cachegen store (it has no {MARKER}): "
-                              "give a new or empty directory")
+            raise ConfigError(
+                f"{root} is not empty and is not a cachegen store (it has no {MARKER}): give a new or empty directory"
+            )
         if not create:
             raise StoreError(f"no store at {root}: nothing has been stored there yet")
         root.mkdir(parents=True, exist_ok=True)
@@ -246,8 +252,13 @@ class LocalBackend(Backend):
             src = self.root / (INDEX + suffix)
             with contextlib.suppress(FileNotFoundError):
                 os.replace(src, self.root / f"{INDEX}{suffix}.corrupt-{stamp}")
-        log.error("store index %s is unreadable (%s): moved aside as %s.corrupt-%s; rebuilding it from the blobs",
-                  self.root / INDEX, why, INDEX, stamp)
+        log.error(
+            "store index %s is unreadable (%s): moved aside as %s.corrupt-%s; rebuilding it from the blobs",
+            self.root / INDEX,
+            why,
+            INDEX,
+            stamp,
+        )
 
     @contextmanager
     def _write(self, d: Deadline | None = None) -> Iterator[sqlite3.Connection]:
@@ -398,8 +409,12 @@ class LocalBackend(Backend):
         if blob_name_ok(name, key, level):
             (self.blobs / name).unlink(missing_ok=True)
         else:
-            log.warning("store index %s names %r for chunk %s: not a blob name of this store, left alone",
-                        self.root / INDEX, name, key[:16])
+            log.warning(
+                "store index %s names %r for chunk %s: not a blob name of this store, left alone",
+                self.root / INDEX,
+                name,
+                key[:16],
+            )
 
     def _drop(self, db: sqlite3.Connection, key: str) -> int:
         """Delete a chunk's rows and files (inside a write transaction); returns bytes freed."""
@@ -472,7 +487,9 @@ class LocalBackend(Backend):
         """Record an access for LRU (at most once a second per chunk, to keep readers mostly read-only)."""
         try:
             with self._write(d) as db:
-                db.executemany("UPDATE chunks SET last_access=MAX(last_access, ?) WHERE key=?", [(now, k) for k in keys])
+                db.executemany(
+                    "UPDATE chunks SET last_access=MAX(last_access, ?) WHERE key=?", [(now, k) for k in keys]
+                )
         except StoreError:
             pass  # a busy index (or no time left) only costs LRU precision
 
@@ -480,7 +497,9 @@ class LocalBackend(Backend):
         """Forget a corrupt or missing payload so that it is recomputed and stored again."""
         try:
             with self._write() as db:
-                row = db.execute("SELECT size FROM payloads WHERE key=? AND level=? AND file=?", (key, level, name)).fetchone()
+                row = db.execute(
+                    "SELECT size FROM payloads WHERE key=? AND level=? AND file=?", (key, level, name)
+                ).fetchone()
                 if row:
                     db.execute("DELETE FROM payloads WHERE key=? AND level=?", (key, level))
                     db.execute("UPDATE settings SET value=value-? WHERE name='bytes'", (row[0],))
@@ -633,8 +652,11 @@ class LocalBackend(Backend):
                     for key, level, size, digest, name, mtime in batch:
                         if db.execute("SELECT 1 FROM payloads WHERE key=? AND level=?", (key, level)).fetchone():
                             continue  # written again meanwhile: this copy is an orphan, collected below
-                        db.execute("INSERT OR IGNORE INTO chunks(key, tokens, start, ends_context, created, "
-                                   "last_access) VALUES (?, x'', 0, 0, ?, ?)", (key, mtime, mtime))
+                        db.execute(
+                            "INSERT OR IGNORE INTO chunks(key, tokens, start, ends_context, created, "
+                            "last_access) VALUES (?, x'', 0, 0, ?, ?)",
+                            (key, mtime, mtime),
+                        )
                         db.execute("INSERT INTO payloads VALUES (?, ?, ?, ?, ?)", (key, level, size, digest, name))
                         db.execute("UPDATE settings SET value=value+? WHERE name='bytes'", (size,))
                         added += 1

@@ -158,8 +158,12 @@ class MockBackend(Backend):
 
     def chunk_rows(self) -> list[ChunkRow]:
         with self._store.lock:
-            return [ChunkRow(k, c.start, len(c.tokens) // 4, c.prev, c.ends_context,
-                             {l: len(p) for l, p in c.payloads.items()}) for k, c in self._store.chunks.items()]
+            return [
+                ChunkRow(
+                    k, c.start, len(c.tokens) // 4, c.prev, c.ends_context, {l: len(p) for l, p in c.payloads.items()}
+                )
+                for k, c in self._store.chunks.items()
+            ]
 
     def delete_chunks(self, keys: Sequence[str]) -> int:
         with self._store.lock:

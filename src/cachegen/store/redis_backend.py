@@ -233,8 +233,12 @@ class RedisBackend(Backend):
             for k, _ in metas:
                 p.strlen(_tok(k))
             lengths = p.execute() if metas else []
-        return [ChunkRow(k, int(m.get(b"p", 0)), int(n) // 4, m.get(b"q", b"").decode(), bool(int(m.get(b"e", 0))),
-                         _sizes(m)) for (k, m), n in zip(metas, lengths)]
+        return [
+            ChunkRow(
+                k, int(m.get(b"p", 0)), int(n) // 4, m.get(b"q", b"").decode(), bool(int(m.get(b"e", 0))), _sizes(m)
+            )
+            for (k, m), n in zip(metas, lengths)
+        ]
 
     def delete_chunks(self, keys: Sequence[str]) -> int:
         present = [(k, list(s)) for k, s in zip(keys, self.sizes_many(list(keys))) if s]

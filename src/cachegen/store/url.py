@@ -21,7 +21,9 @@ from cachegen.store.backend import Backend
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<userinfo>[^/\s]*)@", re.I)  # to the last @: a raw @ in a password
+_USERINFO = re.compile(
+    r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<userinfo>[^/\s]*)@", re.I
+)  # to the last @: a raw @ in a password
 _SECRET_PARAM = re.compile(r"(?P<name>(?:password|passwd|pass|token|secret|api[_-]?key)=)[^&\s'\"]*", re.I)
 
 
@@ -68,8 +70,10 @@ def _number(opts: dict, name: str, kind=float, positive: bool = False):
     if v != v or v in (float("inf"), float("-inf")):
         raise ConfigError(f"store option {name}={opts[name]!r} is not a finite number")
     if positive and v <= 0:
-        raise ConfigError(f"store option {name} must be more than 0 (got {opts[name]!r}): "
-                          "with no time to answer, every load would silently recompute")
+        raise ConfigError(
+            f"store option {name} must be more than 0 (got {opts[name]!r}): "
+            "with no time to answer, every load would silently recompute"
+        )
     if v < 0:
         raise ConfigError(f"store option {name} must not be negative")
     return v
@@ -103,8 +107,9 @@ def open_backend(url: str | None = None, *, create: bool = True) -> Backend:
 
         opts = _options(u.query, {"max_bytes"})
         path = file_path(url)
-        return LocalBackend(path, max_bytes=parse_size(opts["max_bytes"]) if "max_bytes" in opts else None,
-                            create=create)
+        return LocalBackend(
+            path, max_bytes=parse_size(opts["max_bytes"]) if "max_bytes" in opts else None, create=create
+        )
     if scheme in ("redis", "redis+cluster"):
         from cachegen.store.redis_backend import DEFAULT_TIMEOUT, RedisBackend
 
@@ -137,5 +142,6 @@ def open_backend(url: str | None = None, *, create: bool = True) -> Backend:
         opts = _options(u.query, {"latency", "fail", "missing", "corrupt", "seed"})
         faults = {k: _number(opts, k) for k in ("latency", "fail", "missing", "corrupt") if k in opts}
         return MockBackend(u.netloc + u.path, Faults(**faults, seed=_number(opts, "seed", int) or 0))
-    raise ConfigError(f"unknown store URL {redact(url)!r}: use file:///PATH, redis://HOST:PORT/DB or "
-                      "redis+cluster://HOST:PORT")
+    raise ConfigError(
+        f"unknown store URL {redact(url)!r}: use file:///PATH, redis://HOST:PORT/DB or redis+cluster://HOST:PORT"
+    )

@@ -105,8 +105,9 @@ DECODE_HEADROOM = 1.5
 STITCH_HEADROOM = 1.0
 
 
-def calibrate_decode(codec, sample: KVCache, levels: Sequence[int], repeats: int = 2,
-                     base: CostModel | None = None) -> CostModel:
+def calibrate_decode(
+    codec, sample: KVCache, levels: Sequence[int], repeats: int = 2, base: CostModel | None = None
+) -> CostModel:
     """Measure decode seconds per million values for each level on ``sample``."""
     cm = base or CostModel()
     mv = sample.num_values / 1e6
@@ -126,8 +127,9 @@ def calibrate_decode(codec, sample: KVCache, levels: Sequence[int], repeats: int
     return cm
 
 
-def calibrate_recompute(recompute: Callable, tokens: Sequence[int], chunk_tokens: int, prefix_tokens: int,
-                        base: CostModel | None = None) -> CostModel:
+def calibrate_recompute(
+    recompute: Callable, tokens: Sequence[int], chunk_tokens: int, prefix_tokens: int, base: CostModel | None = None
+) -> CostModel:
     """Fit the recompute model from two runs: ``chunk_tokens`` at prefix 0 and at ``prefix_tokens``."""
     if len(tokens) < prefix_tokens + chunk_tokens or prefix_tokens <= 0:
         raise ConfigError("calibrate_recompute needs prefix_tokens + chunk_tokens tokens, prefix_tokens > 0")

@@ -24,8 +24,7 @@ class ThroughputEstimator:
 
     DEFAULT_PRIOR_GBPS = 1.0
 
-    def __init__(self, window: int = 5, prior_gbps: float | None = None, min_bytes: int = 16 * 1024,
-                 history: int = 64):
+    def __init__(self, window: int = 5, prior_gbps: float | None = None, min_bytes: int = 16 * 1024, history: int = 64):
         if window < 1 or (prior_gbps is not None and prior_gbps <= 0):
             raise ConfigError("window must be >= 1 and prior_gbps > 0")
         self.window = window

@@ -156,8 +156,13 @@ class ThrottledLink:
 
     kind = "inproc"
 
-    def __init__(self, trace: Trace, latency_s: float = 0.0, clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        trace: Trace,
+        latency_s: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         self.trace = trace
         self.latency_s = latency_s
         self.clock = clock

@@ -162,15 +162,24 @@ class LoadResult:
 
     def summary(self) -> str:
         per = " ".join(f"{d.index}:{'T' if d.choice == TEXT else f'L{d.choice}'}" for d in self.decisions)
-        return (f"{self.cached_tokens} tokens in {self.load_s:.3f}s (slo {self.slo_s}) "
-                f"fetch {self.fetch_s:.3f}s decode {self.decode_s:.3f}s recompute {self.recompute_s:.3f}s "
-                f"faults {len(self.faults)} | {per}")
+        return (
+            f"{self.cached_tokens} tokens in {self.load_s:.3f}s (slo {self.slo_s}) "
+            f"fetch {self.fetch_s:.3f}s decode {self.decode_s:.3f}s recompute {self.recompute_s:.3f}s "
+            f"faults {len(self.faults)} | {per}"
+        )
 
     def to_json(self) -> dict:
         return {
-            "cached_tokens": self.cached_tokens, "slo_s": self.slo_s, "load_s": self.load_s, "plan_s": self.plan_s,
-            "fetch_s": self.fetch_s, "decode_s": self.decode_s, "recompute_s": self.recompute_s,
-            "stitch_s": self.stitch_s, "faults": list(self.faults), "missed": self.missed,
+            "cached_tokens": self.cached_tokens,
+            "slo_s": self.slo_s,
+            "load_s": self.load_s,
+            "plan_s": self.plan_s,
+            "fetch_s": self.fetch_s,
+            "decode_s": self.decode_s,
+            "recompute_s": self.recompute_s,
+            "stitch_s": self.stitch_s,
+            "faults": list(self.faults),
+            "missed": self.missed,
             "decisions": [d.to_json() for d in self.decisions],
         }
 
@@ -280,10 +289,19 @@ class StreamingLoader:
     A loader holds no per-load state: :meth:`load` may be called again, or from several
     threads (they share the estimator and the link)."""
 
-    def __init__(self, store: ChunkSource, codec: ChunkCodec, recompute: Recompute,
-                 options: LoaderOptions | None = None, *, costs: CostModel | None = None, link: Link | None = None,
-                 estimator: ThroughputEstimator | None = None, clock: Clock = time.perf_counter,
-                 runner: Runner | None = None):
+    def __init__(
+        self,
+        store: ChunkSource,
+        codec: ChunkCodec,
+        recompute: Recompute,
+        options: LoaderOptions | None = None,
+        *,
+        costs: CostModel | None = None,
+        link: Link | None = None,
+        estimator: ThroughputEstimator | None = None,
+        clock: Clock = time.perf_counter,
+        runner: Runner | None = None,
+    ):
         self.store, self.codec, self.recompute = store, codec, recompute
         self.options = options or LoaderOptions()
         self.costs = costs or CostModel()
@@ -326,8 +344,9 @@ class StreamingLoader:
         """Decode a chunk fetched for ``ref`` and check it is that chunk (a mismatch is :class:`CorruptChunk`)."""
         kv = self.codec.decode(data, key=ref.key) if self._decode_key else self.codec.decode(data)
         if kv.start != ref.start or kv.num_tokens != ref.end - ref.start:
-            raise CorruptChunk(f"chunk {ref.index} decoded to tokens [{kv.start}, {kv.end}), "
-                               f"expected [{ref.start}, {ref.end})")
+            raise CorruptChunk(
+                f"chunk {ref.index} decoded to tokens [{kv.start}, {kv.end}), expected [{ref.start}, {ref.end})"
+            )
         if like is not None and not like.same_layout(kv):
             raise CorruptChunk(f"chunk {ref.index} has a different layout from the chunks before it")
         return kv
@@ -342,8 +361,9 @@ class StreamingLoader:
         kv = self.recompute(prefix, list(token_ids))
         start = prefix.end if prefix is not None else 0
         if kv.start != start or kv.num_tokens != len(token_ids):
-            raise LoaderError(f"recompute returned tokens [{kv.start}, {kv.end}), "
-                              f"expected [{start}, {start + len(token_ids)})")
+            raise LoaderError(
+                f"recompute returned tokens [{kv.start}, {kv.end}), expected [{start}, {start + len(token_ids)})"
+            )
         return kv
 
 
@@ -365,10 +385,16 @@ class _Load:
         last = max((i for i, inf in enumerate(infos) if inf.sizes), default=-1)
         infos = infos[: last + 1]
         vpt, allowed = self.o.values_per_token or 0, self.o.levels
-        chunks = [PlanChunk(inf.ref.index, inf.ref.start, inf.ref.end - inf.ref.start,
-                            (inf.ref.end - inf.ref.start) * vpt,
-                            {l: s for l, s in inf.sizes.items() if allowed is None or l in allowed})
-                  for inf in infos]
+        chunks = [
+            PlanChunk(
+                inf.ref.index,
+                inf.ref.start,
+                inf.ref.end - inf.ref.start,
+                (inf.ref.end - inf.ref.start) * vpt,
+                {l: s for l, s in inf.sizes.items() if allowed is None or l in allowed},
+            )
+            for inf in infos
+        ]
         chunks = with_recency_boost(chunks, self.o.recency_boost)
         # the last chunk first; second when the estimator is cold: the first fetch is then a probe
         # at the smallest level, which belongs on a chunk that matters little
@@ -389,12 +415,23 @@ class _Load:
         g, last = e.next_estimate(first_of_load=prev is None), e.last()
         n = len(plan.chunks)
         share = max(self.slo - o.reserve_s, 0.0) / n if self.slo is not None else None
-        choice = decide(o.policy, [plan.chunks[j] for j in plan.order[k:]], self.l.costs,
-                        time_left_s=None if self.slo is None else plan.deadline - self.l.clock(),
-                        cpu_busy_s=self.cpu.busy(), est_gbps=g, last_gbps=last, tail_gbps=e.tail_estimate(),
-                        known=e.known, history_s_per_bit=e.s_per_bit_history() if o.risk_quantile else None,
-                        risk_quantile=o.risk_quantile or RISK_QUANTILE, share_s=share, prev=prev,
-                        allowed=o.levels, safety=o.safety)
+        choice = decide(
+            o.policy,
+            [plan.chunks[j] for j in plan.order[k:]],
+            self.l.costs,
+            time_left_s=None if self.slo is None else plan.deadline - self.l.clock(),
+            cpu_busy_s=self.cpu.busy(),
+            est_gbps=g,
+            last_gbps=last,
+            tail_gbps=e.tail_estimate(),
+            known=e.known,
+            history_s_per_bit=e.s_per_bit_history() if o.risk_quantile else None,
+            risk_quantile=o.risk_quantile or RISK_QUANTILE,
+            share_s=share,
+            prev=prev,
+            allowed=o.levels,
+            safety=o.safety,
+        )
         return choice, (last if o.policy == RULE else g)
 
     # -- the fetch stage ---------------------------------------------------------------
@@ -473,7 +510,7 @@ class _Load:
                 d.decode_start = self.now()
                 ref = plan.infos[msg.pos].ref
                 parts = [got[j] for j in range(msg.pos)]  # text comes in order, the early chunk last
-                got[msg.pos] = yield Call(partial(self.l.recompute_after, parts, self.tokens[ref.start:ref.end]))
+                got[msg.pos] = yield Call(partial(self.l.recompute_after, parts, self.tokens[ref.start : ref.end]))
                 d.decode_end = self.now()
                 d.decode_s = d.decode_end - d.decode_start
                 continue

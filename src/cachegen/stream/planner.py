@@ -121,7 +121,9 @@ def chunk_costs(chunk: PlanChunk, choice: Choice, gbps: float, costs: CostModel)
     return costs.fetch_s(chunk.sizes[level], gbps), costs.decode_s(level, chunk.num_values)
 
 
-def _step(net: float, cpu: float, chunk: PlanChunk, choice: Choice, gbps: float, costs: CostModel) -> tuple[float, float]:
+def _step(
+    net: float, cpu: float, chunk: PlanChunk, choice: Choice, gbps: float, costs: CostModel
+) -> tuple[float, float]:
     n, c = chunk_costs(chunk, choice, gbps, costs)
     if choice == TEXT:
         return net, cpu + c
@@ -129,8 +131,13 @@ def _step(net: float, cpu: float, chunk: PlanChunk, choice: Choice, gbps: float,
     return net, max(cpu, net) + c
 
 
-def simulate(chunks: Sequence[PlanChunk], choices: Sequence[Choice], gbps: float | Callable[[int], float],
-             costs: CostModel, state: PipelineState | None = None) -> float:
+def simulate(
+    chunks: Sequence[PlanChunk],
+    choices: Sequence[Choice],
+    gbps: float | Callable[[int], float],
+    costs: CostModel,
+    state: PipelineState | None = None,
+) -> float:
     """Predicted seconds from now until the last chunk's compute ends; ``gbps`` is one rate, or
     a function of the chunk index (e.g. a trace's ``gbps_at``)."""
     st = state or PipelineState(0.0)
@@ -146,8 +153,14 @@ def options(chunk: PlanChunk, allowed: Sequence[int] | None = None, text: bool =
     return [*lv, TEXT] if text else lv
 
 
-def cheapest_tail(chunks: Sequence[PlanChunk], gbps: float, costs: CostModel, net: float, cpu: float,
-                  allowed: Sequence[int] | None = None) -> tuple[float, float, list[Choice]]:
+def cheapest_tail(
+    chunks: Sequence[PlanChunk],
+    gbps: float,
+    costs: CostModel,
+    net: float,
+    cpu: float,
+    allowed: Sequence[int] | None = None,
+) -> tuple[float, float, list[Choice]]:
     """Greedy: each chunk takes the option that ends its compute soonest."""
     picks: list[Choice] = []
     for ch in chunks:
@@ -162,8 +175,15 @@ def cheapest_tail(chunks: Sequence[PlanChunk], gbps: float, costs: CostModel, ne
     return net, cpu, picks
 
 
-def tail_at(chunks: Sequence[PlanChunk], level: Choice, gbps: float, costs: CostModel, net: float, cpu: float,
-            allowed: Sequence[int] | None = None) -> float:
+def tail_at(
+    chunks: Sequence[PlanChunk],
+    level: Choice,
+    gbps: float,
+    costs: CostModel,
+    net: float,
+    cpu: float,
+    allowed: Sequence[int] | None = None,
+) -> float:
     """Compute end when every chunk takes ``level`` (a boosted chunk: its :func:`lift`; a chunk
     without it: its fastest option)."""
     for ch in chunks:
@@ -174,8 +194,15 @@ def tail_at(chunks: Sequence[PlanChunk], level: Choice, gbps: float, costs: Cost
     return cpu
 
 
-def finish_quantile(chunks: Sequence[PlanChunk], plan: Sequence[Choice], head_s_per_bit: float,
-                    tail_s_per_bit: np.ndarray, costs: CostModel, state: PipelineState, q: float) -> float:
+def finish_quantile(
+    chunks: Sequence[PlanChunk],
+    plan: Sequence[Choice],
+    head_s_per_bit: float,
+    tail_s_per_bit: np.ndarray,
+    costs: CostModel,
+    state: PipelineState,
+    q: float,
+) -> float:
     """The ``q`` quantile of when the last chunk's compute ends (seconds from now) under ``plan``.
 
     Monte Carlo over the rows of ``tail_s_per_bit`` (M, len(chunks) - 1): seconds per bit of
@@ -196,10 +223,17 @@ def finish_quantile(chunks: Sequence[PlanChunk], plan: Sequence[Choice], head_s_
     return float(np.quantile(cpu, q))
 
 
-def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostModel, state: PipelineState,
-                    allowed: Sequence[int] | None = None, tail_gbps: float | None = None,
-                    safety: float = 1.0, futures: np.ndarray | None = None,
-                    risk_quantile: float = RISK_QUANTILE) -> Prediction:
+def choose_adaptive(
+    remaining: Sequence[PlanChunk],
+    gbps: float,
+    costs: CostModel,
+    state: PipelineState,
+    allowed: Sequence[int] | None = None,
+    tail_gbps: float | None = None,
+    safety: float = 1.0,
+    futures: np.ndarray | None = None,
+    risk_quantile: float = RISK_QUANTILE,
+) -> Prediction:
     """Choice for ``remaining[0]``, the next chunk to fetch.
 
     The best level that every remaining chunk could take and still end by the
@@ -265,8 +299,9 @@ def choose_adaptive(remaining: Sequence[PlanChunk], gbps: float, costs: CostMode
     return min(fastest, key=lambda p: (p.total_s, p.finish_s))
 
 
-def choose_rule(chunk: PlanChunk, share_s: float, gbps: float, costs: CostModel,
-                allowed: Sequence[int] | None = None) -> Choice:
+def choose_rule(
+    chunk: PlanChunk, share_s: float, gbps: float, costs: CostModel, allowed: Sequence[int] | None = None
+) -> Choice:
     """CacheGen's rule: the chunk gets ``share_s`` (deadline / chunks); the best level whose
     transfer fits it at the last measured throughput (decoding overlaps the next transfer),
     else text."""
@@ -283,11 +318,24 @@ def smallest_level(chunk: PlanChunk, allowed: Sequence[int] | None = None) -> in
     return min(lv, key=lambda l: (chunk.sizes[l], -l)) if lv else None
 
 
-def decide(policy: str | int, remaining: Sequence[PlanChunk], costs: CostModel, *, time_left_s: float | None,
-           cpu_busy_s: float, est_gbps: float, last_gbps: float, tail_gbps: float, known: bool,
-           history_s_per_bit: Sequence[float] | None = None, risk_quantile: float = RISK_QUANTILE,
-           share_s: float | None = None, prev: Choice | None = None, allowed: Sequence[int] | None = None,
-           safety: float = 1.0) -> Choice:
+def decide(
+    policy: str | int,
+    remaining: Sequence[PlanChunk],
+    costs: CostModel,
+    *,
+    time_left_s: float | None,
+    cpu_busy_s: float,
+    est_gbps: float,
+    last_gbps: float,
+    tail_gbps: float,
+    known: bool,
+    history_s_per_bit: Sequence[float] | None = None,
+    risk_quantile: float = RISK_QUANTILE,
+    share_s: float | None = None,
+    prev: Choice | None = None,
+    allowed: Sequence[int] | None = None,
+    safety: float = 1.0,
+) -> Choice:
     """The loader's per-chunk decision for ``remaining[0]`` (shared by the loader and :mod:`.sim`).
 
     ``policy``: ``"adaptive"``, ``"rule"``, a fixed level or ``"text"``. ``time_left_s``
@@ -328,5 +376,14 @@ def decide(policy: str | int, remaining: Sequence[PlanChunk], costs: CostModel, 
         recent, older = h[-RECENT:], h[:-RECENT]
         if older.size and recent.max() > older.max():
             futures *= max(1.0, (1.0 / (est_gbps * 1e9)) / h.mean())
-    return choose_adaptive(remaining, est_gbps, costs, st, allowed, tail_gbps=tail_gbps,
-                           safety=safety, futures=futures, risk_quantile=risk_quantile).choice
+    return choose_adaptive(
+        remaining,
+        est_gbps,
+        costs,
+        st,
+        allowed,
+        tail_gbps=tail_gbps,
+        safety=safety,
+        futures=futures,
+        risk_quantile=risk_quantile,
+    ).choice

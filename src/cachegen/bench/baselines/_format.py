@@ -47,6 +47,7 @@ class _Writer:
     def getvalue(self) -> bytes:
         return b"".join(self.parts)
 
+
 @dataclass(frozen=True)
 class _LayerShape:
     kind: LayerKind
@@ -115,8 +116,12 @@ def _build(shapes: list[_LayerShape], start: int, ks: list[np.ndarray], vs: list
     if not all(np.isfinite(a).all() for a in (*ks, *vs)):
         raise CorruptChunk("non-finite values")
     layers = [
-        KVLayer(torch.from_numpy(np.ascontiguousarray(k, dtype=np.float32)),
-                torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)), s.kind, s.window)
+        KVLayer(
+            torch.from_numpy(np.ascontiguousarray(k, dtype=np.float32)),
+            torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)),
+            s.kind,
+            s.window,
+        )
         for s, k, v in zip(shapes, ks, vs)
     ]
     return KVCache(layers, start=start)
@@ -159,7 +164,9 @@ def unpack_bits(b: bytes | memoryview, bits: int, count: int) -> np.ndarray:
 def packed_len(count: int, bits: int) -> int:
     return -(-count * bits // 8)
 
+
 # asymmetric min/max quantization (shared by uniform and KIVI)
+
 
 def _quant_minmax(x: np.ndarray, axis: int, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Quantize along ``axis`` groups: returns (q uint8, min fp16, step fp16).

@@ -57,9 +57,23 @@ from cachegen.codec.rans.model import (
 )
 
 __all__ = [
-    "LANES", "MAX_PRECISION", "MAX_SYMBOLS", "RANS_L", "Categorical", "Tables", "check_budget", "check_symbols",
-    "decode", "decode_columns", "decode_interleaved", "encode", "encode_columns", "encode_interleaved", "min_bits",
-    "num_threads_default", "quantize_counts",
+    "LANES",
+    "MAX_PRECISION",
+    "MAX_SYMBOLS",
+    "RANS_L",
+    "Categorical",
+    "Tables",
+    "check_budget",
+    "check_symbols",
+    "decode",
+    "decode_columns",
+    "decode_interleaved",
+    "encode",
+    "encode_columns",
+    "encode_interleaved",
+    "min_bits",
+    "num_threads_default",
+    "quantize_counts",
 ]
 
 

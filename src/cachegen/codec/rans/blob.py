@@ -21,7 +21,9 @@ def _as_tables(models: Sequence[Categorical] | Tables) -> Tables:
     return models if isinstance(models, Tables) else Tables.build(list(models))
 
 
-def encode(symbols: np.ndarray, models: Sequence[Categorical] | Tables, table_index: Sequence[int] | np.ndarray | None = None) -> bytes:
+def encode(
+    symbols: np.ndarray, models: Sequence[Categorical] | Tables, table_index: Sequence[int] | np.ndarray | None = None
+) -> bytes:
     """Encode ``symbols`` (n_streams, n) with one model per stream (``table_index``, default all 0)."""
     tables = _as_tables(models)
     sym = np.asarray(symbols)
@@ -33,7 +35,9 @@ def encode(symbols: np.ndarray, models: Sequence[Categorical] | Tables, table_in
         raise CodecError("negative symbol")
     S, n = sym.shape
     idx = np.zeros(S, dtype=np.int64) if table_index is None else np.asarray(table_index, dtype=np.int64)
-    col = np.ascontiguousarray(sym.T.astype(tables.symbol_dtype if sym.size == 0 or sym.max() < tables.alphabet_size else np.int64))
+    col = np.ascontiguousarray(
+        sym.T.astype(tables.symbol_dtype if sym.size == 0 or sym.max() < tables.alphabet_size else np.int64)
+    )
     if col.dtype == np.int64:
         raise CodecError("symbol outside the alphabet")
     words, lengths = encode_columns(col, idx, tables)
@@ -42,7 +46,9 @@ def encode(symbols: np.ndarray, models: Sequence[Categorical] | Tables, table_in
     return _HDR.pack(b"RANS", S, n, tables.precision) + lengths.astype("<u4").tobytes() + words.astype("<u2").tobytes()
 
 
-def decode(data: bytes, models: Sequence[Categorical] | Tables, table_index: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+def decode(
+    data: bytes, models: Sequence[Categorical] | Tables, table_index: Sequence[int] | np.ndarray | None = None
+) -> np.ndarray:
     """Inverse of :func:`encode`: returns (n_streams, n); CorruptChunk on bad input."""
     tables = _as_tables(models)
     mv = memoryview(data)

@@ -165,7 +165,9 @@ def check_symbols(sym: np.ndarray, table_index: np.ndarray, tables: Tables) -> N
         raise CodecError("a symbol has probability 0 in its model")
 
 
-def encode_columns(sym: np.ndarray, table_index: np.ndarray, tables: Tables, check: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def encode_columns(
+    sym: np.ndarray, table_index: np.ndarray, tables: Tables, check: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """Encode token-major ``sym`` (n, S): returns (words uint16, lengths int64 per stream)."""
     sym = np.ascontiguousarray(sym)
     if sym.ndim != 2:
@@ -191,7 +193,12 @@ def encode_columns(sym: np.ndarray, table_index: np.ndarray, tables: Tables, che
 
 
 def decode_columns(
-    words: np.ndarray, lengths: np.ndarray, n: int, table_index: np.ndarray, tables: Tables, out: np.ndarray | None = None
+    words: np.ndarray,
+    lengths: np.ndarray,
+    n: int,
+    table_index: np.ndarray,
+    tables: Tables,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Decode S streams of ``n`` symbols each into token-major (n, S); CorruptChunk if a stream is inconsistent."""
     lengths = np.asarray(lengths, dtype=np.int64)

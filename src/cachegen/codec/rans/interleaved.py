@@ -103,8 +103,9 @@ def _decode_il_kernel_generic(words, tab_idx, row_idx, freq, cum, lut, prec, out
     return bad
 
 
-def _table_indexes(n: int, S: int, table_index: np.ndarray, row_shift: np.ndarray | None, n_tables: int,
-                   err: type) -> tuple[np.ndarray, np.ndarray]:
+def _table_indexes(
+    n: int, S: int, table_index: np.ndarray, row_shift: np.ndarray | None, n_tables: int, err: type
+) -> tuple[np.ndarray, np.ndarray]:
     """Split the models ``table_index[c] + row_shift[t]`` into non-negative column and row parts (checked)."""
     table_index = np.ascontiguousarray(table_index, dtype=np.int64)
     if table_index.shape != (S,):
@@ -123,8 +124,9 @@ def _table_indexes(n: int, S: int, table_index: np.ndarray, row_shift: np.ndarra
     return table_index + lo, rows - lo
 
 
-def encode_interleaved(sym: np.ndarray, table_index: np.ndarray, tables: Tables,
-                       row_shift: np.ndarray | None = None) -> np.ndarray:
+def encode_interleaved(
+    sym: np.ndarray, table_index: np.ndarray, tables: Tables, row_shift: np.ndarray | None = None
+) -> np.ndarray:
     """Encode token-major ``sym`` (n, S) into one word stream (uint16): ``min(S, LANES)`` states, then words.
 
     Symbol ``(t, c)`` uses model ``table_index[c] + row_shift[t]`` (``row_shift`` default 0: a
@@ -147,8 +149,14 @@ def encode_interleaved(sym: np.ndarray, table_index: np.ndarray, tables: Tables,
     return out[p:]
 
 
-def decode_interleaved(words: np.ndarray, n: int, table_index: np.ndarray, tables: Tables, out: np.ndarray | None = None,
-                       row_shift: np.ndarray | None = None) -> np.ndarray:
+def decode_interleaved(
+    words: np.ndarray,
+    n: int,
+    table_index: np.ndarray,
+    tables: Tables,
+    out: np.ndarray | None = None,
+    row_shift: np.ndarray | None = None,
+) -> np.ndarray:
     """Inverse of :func:`encode_interleaved` into token-major (n, S); CorruptChunk if the stream is inconsistent.
 
     Never reads outside ``words``; the caller bounds ``n`` against the payload size before allocating."""

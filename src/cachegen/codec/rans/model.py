@@ -43,7 +43,11 @@ class Categorical:
         return int(self.freqs.size)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Categorical) and self.precision == other.precision and np.array_equal(self.freqs, other.freqs)
+        return (
+            isinstance(other, Categorical)
+            and self.precision == other.precision
+            and np.array_equal(self.freqs, other.freqs)
+        )
 
     def __hash__(self) -> int:
         return hash((self.precision, self.freqs.tobytes()))
@@ -98,7 +102,9 @@ class Tables:
     cum: np.ndarray  # (n_tables, A) int64
     inv: np.ndarray  # (n_tables, A) float64, 1/freq (0 where freq == 0)
     lut: np.ndarray  # (n_tables, 2**precision) uint8 or uint16 slot -> symbol
-    packed: np.ndarray | None = None  # (n_tables, 2**precision) int32: sym<<24 | (freq-1)<<12 | (slot-cum); prec<=12, A<=256
+    packed: np.ndarray | None = (
+        None  # (n_tables, 2**precision) int32: sym<<24 | (freq-1)<<12 | (slot-cum); prec<=12, A<=256
+    )
     fc: np.ndarray | None = None  # (n_tables, A) int64: freq | cum << 16 (encoder)
 
     @classmethod

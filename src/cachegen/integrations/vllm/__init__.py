@@ -22,8 +22,13 @@ def kv_transfer_config(**extra: Any) -> dict[str, Any]:
 
     A chunk that fails to load is recomputed by vLLM (``kv_load_failure_policy="recompute"``):
     vLLM's default, "fail", would fail the request instead."""
-    return {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": dict(extra)}
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": dict(extra),
+    }
 
 
 def __getattr__(name: str):

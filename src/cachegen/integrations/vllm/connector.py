@@ -139,9 +139,11 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 def _layer_order(names: list[str]) -> list[str]:
     """vLLM's layer names in model order (``model.layers.<i>.self_attn.attn``)."""
+
     def key(name: str) -> tuple[int, str]:
         m = _LAYER_INDEX.search(name)
         return (int(m.group(1)) if m else len(names), name)
+
     return sorted(names, key=key)
 
 
@@ -177,19 +179,25 @@ class CacheGenConnector(KVConnectorBase_V1):
 
         self.config = ConnectorConfig.from_extra(extra)
         if self.config.chunk_tokens % self.block_size:
-            raise ConfigError(f"chunk_tokens {self.config.chunk_tokens} must be a multiple of vLLM's block size "
-                              f"{self.block_size}: set kv_connector_extra_config['chunk_tokens']")
+            raise ConfigError(
+                f"chunk_tokens {self.config.chunk_tokens} must be a multiple of vLLM's block size "
+                f"{self.block_size}: set kv_connector_extra_config['chunk_tokens']"
+            )
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
-            log.warning("kv_load_failure_policy is %r: a chunk that fails to load fails the request; "
-                        "set it to 'recompute' so vLLM recomputes it",
-                        self._kv_transfer_config.kv_load_failure_policy)
+            log.warning(
+                "kv_load_failure_policy is %r: a chunk that fails to load fails the request; "
+                "set it to 'recompute' so vLLM recomputes it",
+                self._kv_transfer_config.kv_load_failure_policy,
+            )
         self.dtype: torch.dtype = mc.dtype
         self.setup: StoreSetup = open_setup(mc.model, self.dtype, self.config)
         hf = mc.hf_text_config
         self.num_layers = int(hf.num_hidden_layers)
         self.num_kv_heads = int(mc.get_num_kv_heads(vllm_config.parallel_config))
         self.head_dim = int(mc.get_head_size())
-        if getattr(hf, "sliding_window", None) or any(t != "full_attention" for t in getattr(hf, "layer_types", None) or []):
+        if getattr(hf, "sliding_window", None) or any(
+            t != "full_attention" for t in getattr(hf, "layer_types", None) or []
+        ):
             raise ConfigError("CacheGenConnector supports full-attention models only")
         self.stats = ConnectorStats()
         self._lock = threading.Lock()
@@ -209,9 +217,16 @@ class CacheGenConnector(KVConnectorBase_V1):
             self._saver = threading.Thread(target=self._save_loop, name="cachegen-saver", daemon=True)
             self._saver.start()
         CacheGenConnector._live.add(self)
-        log.info("CacheGenConnector (%s): store %s, namespace %s, chunk %d tokens, levels %s, policy %s, slo %ss",
-                 role.name.lower(), redact(self.config.store), self.setup.namespace.model_fingerprint,
-                 self.config.chunk_tokens, list(self.setup.levels), self.config.policy, self.config.slo_s)
+        log.info(
+            "CacheGenConnector (%s): store %s, namespace %s, chunk %d tokens, levels %s, policy %s, slo %ss",
+            role.name.lower(),
+            redact(self.config.store),
+            self.setup.namespace.model_fingerprint,
+            self.config.chunk_tokens,
+            list(self.setup.levels),
+            self.config.policy,
+            self.config.slo_s,
+        )
 
     @classmethod
     def instances(cls, role: KVConnectorRole | None = None) -> list[CacheGenConnector]:
@@ -300,7 +315,7 @@ class CacheGenConnector(KVConnectorBase_V1):
             run = [todo[0]]
             while len(run) < len(todo) and todo[len(run)] == run[-1] + 1:
                 run.append(todo[len(run)])
-            todo = todo[len(run):]
+            todo = todo[len(run) :]
             a, b = run[0] * n, (run[-1] + 1) * n
             if len(st.block_ids) * bs < b:
                 log.warning("request %s: blocks for tokens [%d, %d) not known; not saving them", req_id, a, b)
@@ -336,10 +351,16 @@ class CacheGenConnector(KVConnectorBase_V1):
         from cachegen.stream import LoaderOptions, StreamingLoader, ThroughputEstimator
 
         s = self.setup
-        opts = LoaderOptions(policy=self.config.policy, slo_s=self.config.slo_s, levels=s.levels, dtype=self.dtype,
-                             values_per_token=2 * self.num_layers * self.num_kv_heads * self.head_dim)
-        return StreamingLoader(s.store, s.codec, self._no_recompute, opts, costs=s.costs,
-                               estimator=ThroughputEstimator())
+        opts = LoaderOptions(
+            policy=self.config.policy,
+            slo_s=self.config.slo_s,
+            levels=s.levels,
+            dtype=self.dtype,
+            values_per_token=2 * self.num_layers * self.num_kv_heads * self.head_dim,
+        )
+        return StreamingLoader(
+            s.store, s.codec, self._no_recompute, opts, costs=s.costs, estimator=ThroughputEstimator()
+        )
 
     def _no_recompute(self, prefix: KVCache | None, token_ids: list[int]) -> KVCache:
         """The loader's text path: vLLM recomputes these tokens, so this is a placeholder never written
@@ -401,7 +422,9 @@ class CacheGenConnector(KVConnectorBase_V1):
             self.stats.load_faults.extend(faults)
             self.stats.load_s += time.perf_counter() - t
         if bad:
-            log.info("cachegen loaded %d of %d tokens; %d blocks left to vLLM", written, spec.end - spec.start, len(bad))
+            log.info(
+                "cachegen loaded %d of %d tokens; %d blocks left to vLLM", written, spec.end - spec.start, len(bad)
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv writes every layer before the forward

@@ -45,17 +45,22 @@ class PagedLayout:
         return 2 * self.block_size * self.head_dim
 
     @classmethod
-    def probe(cls, write: WriteKernel, block_size: int, num_kv_heads: int, head_dim: int,
-              dtype: torch.dtype = torch.bfloat16) -> PagedLayout:
+    def probe(
+        cls, write: WriteKernel, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16
+    ) -> PagedLayout:
         """Learn the layout from the engine's write kernel (one scratch block, two writes)."""
         if block_size > _EXACT or head_dim > _EXACT:
-            raise ConfigError(f"cannot probe a KV layout with block size {block_size} or head size {head_dim} > {_EXACT}")
+            raise ConfigError(
+                f"cannot probe a KV layout with block size {block_size} or head size {head_dim} > {_EXACT}"
+            )
         heads = max(num_kv_heads, 1)
         cache = torch.zeros(2, heads, block_size, 2 * head_dim, dtype=dtype)
         slots = torch.arange(block_size, 2 * block_size)  # block 1: block 0 must stay untouched
         seen = []
-        for marker in (torch.arange(block_size)[:, None].expand(block_size, head_dim),
-                       torch.arange(head_dim)[None, :].expand(block_size, head_dim)):
+        for marker in (
+            torch.arange(block_size)[:, None].expand(block_size, head_dim),
+            torch.arange(head_dim)[None, :].expand(block_size, head_dim),
+        ):
             cache.zero_()
             k = (marker + 1).to(dtype)[:, None, :].expand(block_size, heads, head_dim).contiguous()
             write(k, -k, cache, slots)
@@ -79,7 +84,9 @@ class PagedLayout:
     def check(self, layer: torch.Tensor) -> None:
         want = (self.num_kv_heads, self.block_size, 2 * self.head_dim)
         if layer.dim() != 4 or tuple(layer.shape[1:]) != want:
-            raise ConfigError(f"vLLM KV layer has shape {tuple(layer.shape)}, expected [blocks, {', '.join(map(str, want))}]")
+            raise ConfigError(
+                f"vLLM KV layer has shape {tuple(layer.shape)}, expected [blocks, {', '.join(map(str, want))}]"
+            )
         if not layer.is_contiguous():
             raise ConfigError("vLLM KV layer is not contiguous")
 

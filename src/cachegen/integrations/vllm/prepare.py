@@ -28,7 +28,9 @@ def prepare(model: str) -> tuple[str, str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cachegen.integrations.vllm.prepare", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m cachegen.integrations.vllm.prepare", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("model", nargs="?", default="smollm2-135m", help="a shipped model name or a local model directory")
     args = ap.parse_args(argv)
     from cachegen.errors import CachegenError

@@ -60,7 +60,12 @@ class ConnectorConfig:
             if "policy" in extra:
                 p = extra["policy"]
                 kw["policy"] = p if p in (ADAPTIVE, RULE, costs_mod.TEXT) else int(p)
-            for name, typ in (("slo_s", float), ("lookup_timeout_s", float), ("chunk_tokens", int), ("save_queue", int)):
+            for name, typ in (
+                ("slo_s", float),
+                ("lookup_timeout_s", float),
+                ("chunk_tokens", int),
+                ("save_queue", int),
+            ):
                 if name in extra:
                     kw[name] = typ(extra[name])
         except (TypeError, ValueError) as e:
@@ -82,7 +87,9 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 
 def namespace(fingerprint: str, dtype: torch.dtype, profile_id: str) -> Namespace:
-    return Namespace(f"{fingerprint}-{ENGINE}-{str(dtype).removeprefix('torch.')}", codec_mod.FORMAT_VERSION, profile_id)
+    return Namespace(
+        f"{fingerprint}-{ENGINE}-{str(dtype).removeprefix('torch.')}", codec_mod.FORMAT_VERSION, profile_id
+    )
 
 
 def load_profile(model_dir: str | Path, fingerprint: str) -> codec_mod.Profile:
@@ -92,14 +99,20 @@ def load_profile(model_dir: str | Path, fingerprint: str) -> codec_mod.Profile:
     try:
         prof = codec_mod.Profile.load(p)
     except FileNotFoundError:
-        raise ConfigError(f"no cachegen codec profile for the model in {model_dir} yet; make it once with "
-                          f"cachegen's own environment: python -m cachegen.integrations.vllm.prepare {model_dir}") from None
+        raise ConfigError(
+            f"no cachegen codec profile for the model in {model_dir} yet; make it once with "
+            f"cachegen's own environment: python -m cachegen.integrations.vllm.prepare {model_dir}"
+        ) from None
     except Exception as e:  # a damaged profile, whatever is wrong with it: the same fix
-        raise ConfigError(f"the cachegen profile {p} is unreadable ({e}); remake it with "
-                          f"python -m cachegen.integrations.vllm.prepare {model_dir}") from None
+        raise ConfigError(
+            f"the cachegen profile {p} is unreadable ({e}); remake it with "
+            f"python -m cachegen.integrations.vllm.prepare {model_dir}"
+        ) from None
     if prof.model_fingerprint != fingerprint:
-        raise ConfigError(f"the cachegen profile {p} is for another model; remake it with "
-                          f"python -m cachegen.integrations.vllm.prepare {model_dir}")
+        raise ConfigError(
+            f"the cachegen profile {p} is for another model; remake it with "
+            f"python -m cachegen.integrations.vllm.prepare {model_dir}"
+        )
     return prof
 
 
