@@ -11,7 +11,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.cachegen-vllm-setup
 
-.PHONY: setup demo test redis-server bench clean vllm-setup test-vllm fuzz
+.PHONY: setup demo test system-deps redis-server bench clean vllm-setup test-vllm fuzz
 
 setup: $(STAMP)
 
@@ -40,20 +40,28 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	@touch $@
 
 # The connector's tests against three real vLLM engines (23 min on the shared 2-core machine); the profile comes from .venv.
-test-vllm: setup vllm-setup redis-server
+test-vllm: setup vllm-setup system-deps
 	$(VLLM_BIN)/python -m pytest -q tests/integrations
 
-# The Redis tests use Debian's redis-server, started and stopped by the tests themselves.
-redis-server:
-	@command -v redis-server >/dev/null || { \
+# Debian packages the tests use: redis-server (started and stopped by the tests themselves) and
+# iproute2 (ip, tc: the shaped netns link of the network tests and benches).
+system-deps:
+	@{ command -v redis-server && command -v ip && command -v tc; } >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server iproute2 >/dev/null; }
+
+redis-server: system-deps
 
 demo: setup
 	$(BIN)/cachegen demo
 
-test: setup redis-server vllm-setup
-	$(BIN)/python -m pytest -q
+# Lint, format and types first (seconds), then the suite with coverage, then the vLLM connector's
+# tests in vLLM's own venv.
+test: setup system-deps vllm-setup
+	$(BIN)/ruff check src tests tools
+	$(BIN)/ruff format --check src tests tools
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q --cov=cachegen --cov-report=term-missing:skip-covered
 	$(VLLM_BIN)/python -m pytest -q tests/integrations
 
 bench: setup

@@ -73,7 +73,8 @@ def test_compare_is_zero_for_identical_logits(tiny_lm):
     assert (
         m["kl"] == pytest.approx(0, abs=1e-7)
         and m["top1_agreement"] == 1.0
-        and m["ppl_delta_pct"] == pytest.approx(0, abs=1e-6)
+        # float32 log-softmax round-off: 1e-4 % is a relative perplexity change of 1e-6
+        and m["ppl_delta_pct"] == pytest.approx(0, abs=1e-4)
     )
 
 
