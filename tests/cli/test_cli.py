@@ -7,6 +7,7 @@ give JSON alone on stdout; a closed pipe and Ctrl-C must end quietly.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -363,3 +364,21 @@ def test_count_tokens_uses_the_tokenizer_alone(smollm2, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="at most 8192"):
         checks.context_length("smollm2-135m", 9000)
     checks.context_length("smollm2-135m", 8192)
+
+
+def test_every_option_of_every_command_has_help_and_one_name_per_concept():
+    """All commands, each lazily registered bench module included (built one at a time, as they run)."""
+    from cachegen.bench.cli import BENCHES
+    from cachegen.cli.main import _walk, build_parser
+
+    old = {"--gbps", "--slo", "--bandwidth", "--verbose-requests"}
+    checked = set()
+    for argv in [["demo"], *(["bench", name] for name in BENCHES)]:
+        for q in _walk(build_parser(argv)):
+            for a in q._actions:
+                if isinstance(a, argparse._SubParsersAction):
+                    continue
+                assert a.help, (q.prog, a.option_strings)
+                assert not old & set(a.option_strings), (q.prog, a.option_strings)
+            checked.add(q.prog)
+    assert {f"cachegen bench {name}" for name in BENCHES} <= checked

@@ -105,11 +105,15 @@ def run_codec_bench(
 def register(sub) -> None:
     """Add the ``codec`` subcommand to an argparse subparsers object (the ``bench`` group)."""
     p = sub.add_parser("codec", help="codec speed and bits/value on a real model's KV")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--context-tokens", type=int, default=4096)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--levels", default=",".join(map(str, (LOSSLESS, *LEVELS))))
+    p.add_argument("--model", default="smollm2-135m", help="model name or directory (default smollm2-135m)")
+    p.add_argument("--context-tokens", type=int, default=4096, help="tokens of real text encoded (default 4096)")
+    p.add_argument("--threads", type=int, default=2, help="numba threads of the coder (default 2)")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON ('-': stdout)")
+    p.add_argument(
+        "--levels",
+        default=",".join(map(str, (LOSSLESS, *LEVELS))),
+        help="comma-separated levels (default: all, 0 = lossless)",
+    )
     p.set_defaults(
         func=lambda a: run_codec_bench(
             a.model, a.context_tokens, a.json, a.threads, tuple(int(x) for x in a.levels.split(","))

@@ -511,11 +511,13 @@ def _slo(s: str):
 def register(sub) -> argparse.ArgumentParser:
     """Add ``stream`` to the ``bench`` subcommand group."""
     p = sub.add_parser("stream", help="TTFT and quality of streamed loads under a bandwidth trace")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="model name or directory (default smollm2-135m)")
     p.add_argument("--trace", default="constant", help="constant[:GBPS], step, random, random-log, or a JSON/CSV file")
-    p.add_argument("--gbps", type=float, default=0.1, help="bandwidth of the constant trace (default 0.1)")
     p.add_argument(
-        "--slo",
+        "--bandwidth-gbps", type=float, default=0.1, help="bandwidth of the constant trace, Gbit/s (default 0.1)"
+    )
+    p.add_argument(
+        "--slo-s",
         type=_slo,
         default="auto",
         help="deadline in seconds, 'auto' (median level at the median bandwidth), 'trace-auto' (median "
@@ -531,11 +533,16 @@ def register(sub) -> argparse.ArgumentParser:
         "cachegen.bench.replay), rows with timing=virtual",
     )
     p.add_argument("--quick", action="store_true", help="small configuration (1K tokens, few runs) for bench all")
-    p.add_argument("--context-tokens", type=int, default=4096)
+    p.add_argument("--context-tokens", type=int, default=4096, help="tokens of real text in the context (default 4096)")
     p.add_argument("--methods", default=None, help="comma-separated subset")
-    p.add_argument("--link", choices=("inproc", "netns"), default="inproc")
+    p.add_argument(
+        "--link",
+        choices=("inproc", "netns"),
+        default="inproc",
+        help="inproc: an in-process throttled link; netns: Redis behind a shaped veth pair (root, ip, tc)",
+    )
     p.add_argument("--dtype", default="bfloat16", help="serving dtype of the model (default bfloat16)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON ('-': stdout)")
     p.add_argument("--prefetch", type=int, default=8, help="fetched chunks that may wait for decoding (default 8)")
     p.add_argument(
         "--risk-quantile",
@@ -555,12 +562,12 @@ def register(sub) -> argparse.ArgumentParser:
             run_stream_bench(
                 a.model,
                 a.trace,
-                a.slo,
+                a.slo_s,
                 a.runs,
                 a.context_tokens,
                 a.json,
                 a.link,
-                a.gbps,
+                a.bandwidth_gbps,
                 a.methods.split(",") if a.methods else None,
                 a.dtype,
                 sim_runs=a.sim_runs,

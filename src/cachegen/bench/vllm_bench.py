@@ -157,15 +157,15 @@ def section(model: str, out: Path, quick: bool) -> list[str]:
 def register(sub) -> None:
     """Add the ``vllm`` subcommand to the ``bench`` subparsers."""
     p = sub.add_parser("vllm", help="warm TTFT and stored bytes: vLLM, vLLM's example connector, cachegen's connector")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--context-tokens", type=int, default=2048)
+    p.add_argument("--model", default="smollm2-135m", help="model name or directory (default smollm2-135m)")
+    p.add_argument("--context-tokens", type=int, default=2048, help="tokens of real text in the context (default 2048)")
     p.add_argument("--level", type=int, default=4, help="the level cachegen's connector stores (default: strict, 4)")
-    p.add_argument("--slo", type=float, default=2.0, help="the connector's load deadline, seconds")
+    p.add_argument("--slo-s", type=float, default=2.0, help="the connector's load deadline, seconds")
     p.add_argument("--runs", type=int, default=3, help="warm requests per method (ttft_s is their median)")
     p.add_argument("--store", help="cachegen's store URL (default: a temporary local store)")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--vllm-python", help="the vLLM environment's python (default .venv-vllm/bin/python)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON ('-': stdout)")
     p.set_defaults(
         func=lambda a: run_vllm_bench(
             a.model,
@@ -173,7 +173,7 @@ def register(sub) -> None:
             a.json,
             a.vllm_python,
             a.level,
-            a.slo,
+            a.slo_s,
             a.runs,
             a.store,
             tuple(a.methods.split(",")),
