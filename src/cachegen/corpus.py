@@ -178,4 +178,4 @@ def needle_case(tokenizer, n_tokens: int, seed: int, source: str = "pydoc-eval")
 def is_correct(answer_text: str, case: NeedleCase) -> bool:
     """True when the first number in the model's answer is the secret."""
     m = re.search(r"\d[\d,]*", answer_text)
-    return bool(m) and m.group(0).replace(",", "") == case.answer
+    return m is not None and m.group(0).replace(",", "") == case.answer

@@ -73,8 +73,8 @@ def run_codec_bench(
     for lv in levels:
         src = kv.to(__import__("torch").bfloat16) if lv == LOSSLESS else kv
         data = codec.encode(src, lv)
-        te = best_time(lambda src=src, lv=lv: codec.encode(src, lv), 5)
-        td = best_time(lambda data=data: codec.decode(data), 5)
+        te = best_time(lambda src=src, lv=lv: codec.encode(src, lv), 5)  # type: ignore[misc]  # mypy: lambda with defaults
+        td = best_time(lambda data=data: codec.decode(data), 5)  # type: ignore[misc]  # mypy: lambda with defaults
         ent, ent_e = _entropy_speed(prof, kv, lv, threads) if lv != LOSSLESS else (float("nan"), float("nan"))
         rows.append(
             {

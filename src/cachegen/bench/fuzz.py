@@ -29,6 +29,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -173,15 +174,20 @@ def _mutate_header(rng: np.random.Generator, h: ChunkHeader, secs: list[bytes]) 
         else:
             new = dataclasses.replace(
                 lay,
-                **{
-                    attr: max(
-                        1,
-                        min(
-                            65535,
-                            getattr(lay, attr) + int(rng.integers(-2, 3)) if rng.random() < 0.6 else _value(rng, 16),
-                        ),
-                    )
-                },
+                **cast(
+                    "dict[str, Any]",
+                    {
+                        attr: max(
+                            1,
+                            min(
+                                65535,
+                                getattr(lay, attr) + int(rng.integers(-2, 3))
+                                if rng.random() < 0.6
+                                else _value(rng, 16),
+                            ),
+                        )
+                    },
+                ),
             )
         h = dataclasses.replace(h, layers=(*h.layers[:li], new, *h.layers[li + 1 :]))
     else:  # layers added or dropped, sections with them

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
@@ -50,7 +51,7 @@ def batched_cache(kvs: Sequence[KVCache], config, dtype: torch.dtype | None = No
         v = torch.stack([kv.layers[i].v for kv in kvs])
         if dtype is not None:
             k, v = k.to(dtype), v.to(dtype)
-        layer.update(k, v)
+        layer.update(k, v)  # type: ignore[union-attr]  # transformers' layer union
     return cache
 
 
@@ -78,7 +79,7 @@ def batched_greedy(
             if not done[i]:
                 t = int(nxt[i])
                 outs[i].append(t)
-                done[i] = bool(eos_ids) and t in eos_ids
+                done[i] = bool(eos_ids) and t in cast("set[int]", eos_ids)  # bool() excludes None
         if all(done):
             break
         ids = nxt.view(b, 1)
@@ -128,18 +129,18 @@ def run_needle(
     byname = {c.label: c for c in codecs}
     for k in keys:
         lo, hi = wilson(correct[k], cases)
-        c = byname.get(k)
+        var = byname.get(k)
         rows.append(
             {
-                "codec": c.name if c else "recompute",
-                "level": c.row_level if c else None,
+                "codec": var.name if var else "recompute",
+                "level": var.row_level if var else None,
                 "cases": cases,
                 "correct": correct[k],
                 "accuracy": correct[k] / cases,
                 "ci_low": lo,
                 "ci_high": hi,
                 # recompute stores token ids (4 bytes each), not KV
-                "bits_per_value": 8.0 * nbytes[k] / nvalues if c else None,
+                "bits_per_value": 8.0 * nbytes[k] / nvalues if var else None,
                 "sample_answers": answers[k][:3],
             }
         )

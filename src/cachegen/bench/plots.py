@@ -83,6 +83,7 @@ def ttft_plot(result: dict, path: str | Path) -> Path:
         series.setdefault((r["method"], r.get("level")), []).append(r)
     cmaps = {"cachegen": "Reds", "cachegen-released": "Purples"}
     levels: dict[str, list] = {}
+    color: str | tuple[float, float, float, float]
     for name, level in series:
         levels.setdefault(name, []).append(level)
     for (name, level), rows in series.items():

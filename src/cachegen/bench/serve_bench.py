@@ -35,6 +35,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ async def _user(client, u: int, system: str, doc: str, w: Workload, t0: float, e
         await asyncio.sleep(max(0.0, slot - time.perf_counter()))
         q = QUESTIONS[r % len(QUESTIONS)]
         msgs.append({"role": "user", "content": f"{doc}\n\n{q}" if r == 0 else q})
-        row = {
+        row: dict[str, Any] = {
             "user": u,
             "round": r,
             "ttft_s": None,

@@ -17,6 +17,7 @@ any transformers causal LM.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -72,6 +73,7 @@ def fisher_matrices(
             with torch.no_grad():
                 for li, (k, v) in enumerate(leaves):
                     for j, t in enumerate((k, v)):
+                        assert t.grad is not None  # _sampled_grads ran backward through every leaf
                         gr = t.grad[:, n_sink:]
                         if j == 0 and rope is not None:
                             gr = unrope_grad(gr, rope[li], n_sink)
@@ -112,13 +114,22 @@ def token_sensitivity(
     out = []
     for context_ids, cont_ids in pairs:
         kv = context_kv(model, context_ids)
-        acc = None
+        acc: torch.Tensor | None = None
         for _ in range(samples):
             leaves = _sampled_grads(model, kv, cont_ids, g)
             with torch.no_grad():
                 per = torch.stack(
-                    [torch.stack([(k.grad.double() ** 2).sum(-1), (v.grad.double() ** 2).sum(-1)]) for k, v in leaves]
+                    [
+                        # _sampled_grads ran backward through every leaf: .grad is set
+                        torch.stack(
+                            [
+                                (cast(torch.Tensor, k.grad).double() ** 2).sum(-1),
+                                (cast(torch.Tensor, v.grad).double() ** 2).sum(-1),
+                            ]
+                        )
+                        for k, v in leaves
+                    ]
                 )
             acc = per if acc is None else acc + per
-        out.append((kv, (acc / samples).numpy()))
+        out.append((kv, (cast(torch.Tensor, acc) / samples).numpy()))  # acc is None only when samples == 0
     return out

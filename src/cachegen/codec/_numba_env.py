@@ -25,7 +25,7 @@ def ensure_cache_dir() -> None:
     if "numba" in sys.modules:  # imported earlier by someone else: numba reads its config at import
         from numba.core import config
 
-        config.CACHE_DIR = d
+        config.CACHE_DIR = d  # type: ignore[attr-defined]  # numba config attributes are set at runtime
 
 
 ensure_cache_dir()

@@ -16,6 +16,7 @@ import struct
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 import torch
@@ -316,7 +317,7 @@ def _encode_section(
     parts = [struct.pack("<I", len(sink_raw)), sink_raw, struct.pack("<I", n_esc), esc[:n_esc].astype("<i4").tobytes()]
     if send_u:
         uw = rans.encode_interleaved(
-            (u - importance.U_MIN).astype(np.uint8)[:, None], np.zeros(1, dtype=np.int64), u_tables
+            (u - importance.U_MIN).astype(np.uint8)[:, None], np.zeros(1, dtype=np.int64), cast(rans.Tables, u_tables)
         )
         parts += [struct.pack("<I", uw.size), uw.astype("<u2").tobytes()]
     parts.append(words.astype("<u2").tobytes())

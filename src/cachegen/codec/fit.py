@@ -10,6 +10,7 @@ live model through :mod:`cachegen.calibrate`, which calls :func:`calibrate`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -88,7 +89,9 @@ def component_sensitivity(sp: SectionParams, sens) -> np.ndarray:
     r = _inverse_rows(sp)
     if a.ndim == 0:
         out = np.full(n, max(float(a), 1e-30))
-        return out if sp.inv is None else np.maximum(out * np.einsum("hjd,hjd->hj", r, r).reshape(-1), 1e-30)
+        # inv is the inverse of a basis, so r is an array when sp.inv is set
+        rr = cast(np.ndarray, r)
+        return out if sp.inv is None else np.maximum(out * np.einsum("hjd,hjd->hj", rr, rr).reshape(-1), 1e-30)
     if a.shape == (sp.heads, sp.dim, sp.dim):
         out = (
             np.diagonal(a, axis1=1, axis2=2).reshape(-1)
@@ -180,6 +183,7 @@ def section_steps(
         var_all = np.concatenate([sp.std.astype(np.float64) ** 2 for sp in sections])
         theta = _water_level(s_all, var_all, KL_TARGETS[level] * kl_scale)
     for i, s in enumerate(sections):
+        base: np.ndarray | np.float32
         if sensitivity is not None:
             base = np.sqrt(12.0 * theta / sc[i]).astype(np.float32)
         else:

@@ -24,6 +24,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -175,7 +176,7 @@ class Profile:
         return self._bytes
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Profile:
+    def from_bytes(cls, data: bytes | memoryview) -> Profile:
         """Parse and validate; raises CorruptChunk (or FormatVersionError) on bad input."""
         mv = memoryview(bytes(data))
         if len(mv) < 10 or bytes(mv[:4]) != PROFILE_MAGIC:
@@ -283,7 +284,7 @@ class Profile:
                 levels[lv] = LevelParams(steps, freqs)
             prof = cls(
                 str(hdr["model_fingerprint"]),
-                dims,
+                cast("list[tuple[int, int, int]]", dims),  # each checked to have 3 entries above
                 sections,
                 levels,
                 int(hdr["n_sink"]),

@@ -40,7 +40,7 @@ class RopeSpec:
         return 2 * int(self.inv_freq.shape[0])
 
     def to_array(self) -> np.ndarray:
-        return np.concatenate([self.inv_freq.astype(np.float32), np.float32([self.scale])])
+        return np.concatenate([self.inv_freq.astype(np.float32), np.float32([self.scale])])  # type: ignore[arg-type]  # numpy stubs: a list gives an array
 
     @classmethod
     def from_array(cls, a: np.ndarray) -> RopeSpec:

@@ -62,7 +62,7 @@ class Engine:
         self,
         lm: LoadedModel,
         store: ContextStore,
-        codec: codec_mod.Codec,
+        codec: codec_mod.ChunkCodec,
         costs: CostModel | None = None,
         max_pending_writes: int = 8,
     ):

@@ -8,6 +8,8 @@ it), so :func:`recording_cache` asks those layers to keep their past, and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import DynamicCache
 
@@ -20,8 +22,8 @@ def layer_kinds(config) -> list[tuple[LayerKind, int | None]]:
     cfg = config.get_text_config(decoder=True)
     n = cfg.num_hidden_layers
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * n
-    window = getattr(cfg, "sliding_window", None)
-    out = []
+    window: Any = getattr(cfg, "sliding_window", None)
+    out: list[tuple[LayerKind, int | None]] = []
     for t in types:
         if t == "sliding_attention":
             out.append((LayerKind.SLIDING, int(window)))
@@ -44,7 +46,7 @@ def recording_cache(config) -> DynamicCache:
     cache = DynamicCache(config=config)
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
-            layer.activate_past_recording()
+            layer.activate_past_recording()  # type: ignore[union-attr]  # transformers types cache.layers as a union
     return cache
 
 
@@ -60,10 +62,10 @@ def from_transformers(cache: DynamicCache, config, start: int = 0) -> KVCache:
     layers = []
     full_len = None
     for layer, (kind, window) in zip(cache.layers, kinds):
-        k, v = layer.keys, layer.values
+        k, v = layer.keys, layer.values  # type: ignore[union-attr]  # transformers' layer union: attention layers here
         if k is None or k.dim() != 4 or k.shape[0] != 1:
             raise ConfigError("expected an initialized batch-1 cache")
-        layers.append(KVLayer(k[0].detach().clone(), v[0].detach().clone(), kind, window))
+        layers.append(KVLayer(k[0].detach().clone(), v[0].detach().clone(), kind, window))  # type: ignore[index]  # values set with keys
         if kind == LayerKind.FULL:
             full_len = k.shape[2]
     for l in layers:
@@ -87,13 +89,13 @@ def to_transformers(kv: KVCache, config, dtype: torch.dtype | None = None) -> Dy
         if dtype is not None:
             k, v = k.to(dtype), v.to(dtype)
         # update() keeps the last window-1 tokens of sliding layers and sets cumulative_length = T
-        layer.update(k.unsqueeze(0), v.unsqueeze(0))
+        layer.update(k.unsqueeze(0), v.unsqueeze(0))  # type: ignore[union-attr]  # transformers' layer union
     return cache
 
 
 def finish_recording(cache: DynamicCache) -> None:
     """Trim recorded sliding layers back to their window so the cache is usable for decoding."""
     for layer in cache.layers:
-        if getattr(layer, "is_sliding", False) and getattr(layer, "record_past", False) and layer.is_initialized:
-            layer.crop(0)
-            layer.record_past = False
+        if getattr(layer, "is_sliding", False) and getattr(layer, "record_past", False) and layer.is_initialized:  # type: ignore[union-attr]  # transformers' layer union
+            layer.crop(0)  # type: ignore[union-attr]  # sliding layers have crop()
+            layer.record_past = False  # type: ignore[union-attr]  # sliding layers record their past

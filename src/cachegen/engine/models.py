@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from cachegen import paths
 from cachegen.errors import ModelNotFound
@@ -121,7 +121,7 @@ class LoadedModel:
 
     name: str
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer
     fingerprint: str  # hex digest identifying the exact weights and architecture
     path: Path
 

@@ -9,7 +9,7 @@ through it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +35,7 @@ class Decoder:
         self.length = prefix.end if prefix is not None else 0
         if prefix is not None:
             for layer, l in zip(self.cache.layers, prefix.layers):
-                layer.update(l.k.unsqueeze(0).to(model.dtype), l.v.unsqueeze(0).to(model.dtype))
+                layer.update(l.k.unsqueeze(0).to(model.dtype), l.v.unsqueeze(0).to(model.dtype))  # type: ignore[union-attr]  # transformers' layer union
 
     @torch.inference_mode()
     def feed(
@@ -70,10 +70,10 @@ class Decoder:
             raise ConfigError(f"tokens [{a}, {b}) outside the decoder's [{self.start}, {self.length})")
         layers = []
         for layer, (kind, window) in zip(self.cache.layers, layer_kinds(self.model.config)):
-            k, v = layer.keys, layer.values
+            k, v = layer.keys, layer.values  # type: ignore[union-attr]  # transformers' layer union: attention layers here
             if k is None or k.shape[2] != self.length:
                 raise ConfigError("a cache layer lost tokens: the decoder must use a recording cache")
-            layers.append(KVLayer(k[0, :, a:b].clone(), v[0, :, a:b].clone(), kind, window))
+            layers.append(KVLayer(k[0, :, a:b].clone(), v[0, :, a:b].clone(), kind, window))  # type: ignore[index]  # values set with keys
         return KVCache(layers, start=a)
 
 
@@ -99,7 +99,7 @@ def generate(
     max_new_tokens: int,
     eos_ids: set[int] | frozenset[int] = frozenset(),
     cancelled: Callable[[], bool] | None = None,
-) -> Iterator[int]:
+) -> Generator[int, None, None]:
     """Yield up to ``max_new_tokens`` tokens after feeding ``tail``: the one decoding loop.
 
     The first token comes after the prefill of ``tail``; an end-of-sequence

@@ -41,7 +41,8 @@ class RawCodec:
     def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
         r = Reader(memoryview(data), f"{self.name} chunk")
         _, start, shapes = _read_header(r, self.name, key)
-        ks, vs = [], []
+        ks: list[np.ndarray] = []
+        vs: list[np.ndarray] = []
         for s in shapes:
             for d, out in ((s.dk, ks), (s.dv, vs)):
                 a = r.array(np.int16, s.heads * s.tokens * d).reshape(s.heads, s.tokens, d)

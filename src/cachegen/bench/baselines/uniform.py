@@ -48,7 +48,8 @@ class UniformCodec:
     def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
         r = Reader(memoryview(data), f"{self.name} chunk")
         _, start, shapes = _read_header(r, self.name, key)
-        ks, vs = [], []
+        ks: list[np.ndarray] = []
+        vs: list[np.ndarray] = []
         for s in shapes:
             for d, out in ((s.dk, ks), (s.dv, vs)):
                 lo = r.array(np.float16, s.heads * d).reshape(s.heads, 1, d)

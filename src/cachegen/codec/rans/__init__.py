@@ -78,4 +78,4 @@ __all__ = [
 
 
 def num_threads_default() -> int:
-    return max(1, min(2, numba.config.NUMBA_NUM_THREADS))
+    return max(1, min(2, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]  # numba config is set at runtime

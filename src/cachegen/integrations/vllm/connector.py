@@ -394,7 +394,9 @@ class CacheGenConnector(KVConnectorBase_V1):
     def _load(self, spec: LoadSpec) -> None:
         bs = self.block_size
         t = time.perf_counter()
-        kv, good, faults = None, 0, []
+        kv: KVCache | None = None
+        good = 0
+        faults: list[str] = []
         try:
             kv, good, faults = self._load_prefix(spec.tokens)
         except Exception as e:  # any failure of the load: vLLM recomputes, the request goes on
