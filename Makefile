@@ -11,7 +11,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.cachegen-vllm-setup
 
-.PHONY: setup demo test system-deps redis-server bench clean vllm-setup test-vllm fuzz
+.PHONY: setup demo test system-deps redis-server bench clean vllm-setup test-vllm fuzz mutate
 
 setup: $(STAMP)
 
@@ -71,6 +71,11 @@ bench: setup
 FUZZ_CASES ?= 1000000
 fuzz:  # after `make setup`
 	$(BIN)/python -m cachegen.bench.fuzz --cases $(FUZZ_CASES) --jobs 2
+
+# Mutation testing of the core modules (mutmut: one run per module against its own tests, under 40 min on
+# 2 cores; not part of `make test`). Writes mutation.json; `python tools/mutate.py --module NAME` runs one.
+mutate: setup
+	$(BIN)/python tools/mutate.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,323 @@
+"""Mutation testing of cachegen's core with mutmut 3: ``make mutate`` runs every module of :data:`MODULES`.
+
+Usage::
+
+    python tools/mutate.py                      # every module, then mutation.json (what `make mutate` runs)
+    python tools/mutate.py --module keys        # one module (repeatable); its row of mutation.json is replaced
+    python tools/mutate.py --module keys --keep # reuse mutmut's earlier results for that module (see below)
+    python tools/mutate.py --module keys --mutant 'cachegen.store.keys.x_chunk_keys*'   # re-run some mutants
+    python tools/mutate.py --list               # the table: modules, files, test selections
+
+Why one mutmut run per module: mutmut first runs the selected tests once ("stats") to learn which
+tests execute each function, then runs, for every mutant, only the tests that execute the mutated
+function. Selecting only the tests written for a module keeps that per-mutant run short (a codec
+mutant would otherwise also run every store and loader test that happens to decode a chunk), and a
+module can be measured alone while its tests are being written.
+
+How: a module gets a work directory ``mutants/<name>/`` with links ``src`` and ``tests`` to the
+repository's and a ``pyproject.toml`` that is the repository's with the ``[tool.mutmut]`` section
+rewritten: the shared settings of the repository's own section, plus ``do_not_mutate`` naming every
+other source file and the module's test selection. mutmut copies ``src`` and ``tests`` to
+``mutants/<name>/mutants/``, rewrites the module's functions there into trampolines (one variant per
+mutant, chosen by the environment variable ``MUTANT_UNDER_TEST``), puts that copy first on
+``sys.path`` (it removes the repository's ``src``), forks one test run per mutant and records each
+exit status in ``<file>.meta``, which this script reads. By default a module's work directory is
+removed first, so every mutant is tested against the current tests; ``--keep`` lets mutmut reuse its
+results (it re-tests mutants of functions whose source changed and runs the stats again for new
+tests, but does not re-test a surviving mutant against a changed test: pass ``--mutant``).
+
+Adding a module: add a row to :data:`MODULES`: its name, its source files (paths under ``src/``; a
+directory means every ``.py`` file below it) and the pytest arguments that select its tests (files,
+``file::test`` ids, ``-k`` / ``-m`` expressions). Keep the selection to the tests written for the
+module, without real-model tests where a toy input exercises the same code: the selected tests that
+execute a function run once per mutant of it. A test can only kill a mutant in its own process: one
+that starts ``python -m cachegen...`` imports the unmutated source, and one that reads repository
+files other than ``src/`` and ``tests/`` fails in the copy, so leave those out of the selection.
+
+What mutmut 3 does not mutate: code outside functions (module constants), functions with a decorator
+other than ``@staticmethod`` / ``@classmethod`` (every numba ``@njit`` kernel, properties) and the
+methods of decorated classes (dataclasses). docs/testing.md lists what that leaves out per module and
+the surviving mutants judged equivalent (:data:`EQUIVALENT`, excluded from the score).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "mutants"
+RESULT = ROOT / "mutation.json"
+MUTMUT_KEYS = ("source_paths", "do_not_mutate", "pytest_add_cli_args_test_selection")
+
+
+@dataclass(frozen=True)
+class Module:
+    """One row of the table: what to mutate and which tests may kill its mutants."""
+
+    name: str
+    paths: tuple[str, ...]  # under the repository root: files, or directories (every .py below)
+    tests: tuple[str, ...]  # pytest arguments selecting the module's tests
+    owner: str  # who keeps the row's tests (H1: codec, H2: store and stream)
+
+
+_FAST = ("-m", "not model and not redis and not slow")
+
+# The per-module test selections. Each row's owner may edit it.
+MODULES: tuple[Module, ...] = (
+    # -- codec (H1) -------------------------------------------------------------------------------
+    Module(
+        "container",
+        ("src/cachegen/codec/container.py",),
+        ("tests/codec/test_codec_bounds.py", "tests/codec/test_codec.py", *_FAST),
+        "H1",
+    ),
+    Module(
+        "codec",
+        (
+            "src/cachegen/codec/codec.py",
+            "src/cachegen/codec/quant.py",
+            "src/cachegen/codec/transform.py",
+        ),
+        ("tests/codec/test_codec.py", "tests/codec/test_codec_bounds.py", *_FAST),
+        "H1",
+    ),
+    Module(
+        "rans",
+        ("src/cachegen/codec/rans",),
+        ("tests/codec/test_rans.py", "-k", "not generated_lanes_module_is_current", *_FAST),
+        "H1",
+    ),
+    # -- store and stream (H2) --------------------------------------------------------------------
+    Module("keys", ("src/cachegen/store/keys.py",), ("tests/store/test_store_keys.py", *_FAST), "H2"),
+    Module("local", ("src/cachegen/store/local.py",), ("tests/store/test_store_local.py", *_FAST), "H2"),
+    Module(
+        "loader",
+        ("src/cachegen/stream/loader.py",),
+        ("tests/stream/test_loader.py", "tests/stream/test_loader_faults.py", *_FAST),
+        "H2",
+    ),
+    Module("planner", ("src/cachegen/stream/planner.py",), ("tests/stream/test_planner.py", *_FAST), "H2"),
+    Module("estimator", ("src/cachegen/stream/estimator.py",), ("tests/stream/test_planner.py", *_FAST), "H2"),
+)
+
+# Surviving mutants that no test can kill because they do not change behaviour: name -> why.
+# (Mutant names are mutmut's: <module>.x_<function>__mutmut_<n>; docs/testing.md lists them too.)
+EQUIVALENT: dict[str, str] = {}
+
+# mutmut's exit-status classes (as in mutmut 3's status_by_exit_code)
+_KILLED = {1, 3}
+_TIMEOUT = {24, -24, 36, 152, 255}
+_STATUS = {0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 35: "suspicious", 37: "caught by type check"}
+
+
+def status(code: int | None) -> str:
+    """mutmut's class of a mutant's exit status."""
+    if code is None:
+        return "not checked"
+    if code in _KILLED:
+        return "killed"
+    if code in _TIMEOUT:
+        return "timeout"
+    if code in (-11, -9):
+        return "segfault"
+    return _STATUS.get(code, "suspicious")
+
+
+def module_files(m: Module) -> list[str]:
+    """The module's .py files, relative to the root."""
+    out: list[str] = []
+    for p in m.paths:
+        path = ROOT / p
+        if path.is_dir():
+            out += sorted(str(f.relative_to(ROOT)) for f in path.rglob("*.py"))
+        elif path.is_file():
+            out.append(p)
+        else:
+            raise SystemExit(f"{m.name}: {p} does not exist (fix its row in tools/mutate.py)")
+    return out
+
+
+def shared_config() -> dict:
+    """The repository's ``[tool.mutmut]`` settings that every module's run shares."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"].get("mutmut", {})
+    return {k: v for k, v in cfg.items() if k not in MUTMUT_KEYS}
+
+
+def _toml_value(v) -> str:
+    # JSON strings, numbers, booleans and arrays of them are TOML too
+    return json.dumps(v)
+
+
+def module_pyproject(m: Module) -> str:
+    """The repository's pyproject.toml with the module's own ``[tool.mutmut]`` section."""
+    text = (ROOT / "pyproject.toml").read_text()
+    text = re.sub(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", "", text)
+    mine = set(module_files(m))
+    others = sorted(
+        str(f.relative_to(ROOT)) for f in (ROOT / "src").rglob("*.py") if str(f.relative_to(ROOT)) not in mine
+    )
+    cfg = {
+        **shared_config(),
+        "source_paths": ["src"],
+        "do_not_mutate": others,
+        "pytest_add_cli_args_test_selection": list(m.tests),
+    }
+    lines = ["", "[tool.mutmut]", f"# generated by tools/mutate.py for the module {m.name!r}"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.items()]
+    return text.rstrip() + "\n" + "\n".join(lines) + "\n"
+
+
+def prepare(m: Module, keep: bool) -> Path:
+    """The module's work directory, fresh unless ``keep``."""
+    work = WORK / m.name
+    if work.exists() and not keep:
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    for name in ("src", "tests"):
+        link = work / name
+        if not link.is_symlink():
+            link.symlink_to(ROOT / name, target_is_directory=True)
+    (work / "pyproject.toml").write_text(module_pyproject(m))
+    return work
+
+
+def _mutmut() -> str:
+    exe = Path(sys.executable).parent / "mutmut"
+    if not exe.exists():
+        raise SystemExit("mutmut is not installed in this environment: `make setup` installs the test extra")
+    return str(exe)
+
+
+def run_module(m: Module, keep: bool, children: int, mutants: list[str]) -> dict:
+    """Run mutmut over one module; its results."""
+    work = prepare(m, keep)
+    env = dict(os.environ)
+    env.update(
+        {
+            # the kernels' numba cache of the mutated copy stays in the work directory
+            "NUMBA_CACHE_DIR": str(work / "numba-cache"),
+            # each forked test run is single-threaded: `children` runs share the cores
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "NUMBA_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    t0 = time.monotonic()
+    cmd = [_mutmut(), "run", "--max-children", str(children), *mutants]
+    print(f"== {m.name}: {' '.join(module_files(m))}\n   tests: {' '.join(m.tests)}", flush=True)
+    rc = subprocess.run(cmd, cwd=work, env=env).returncode
+    seconds = time.monotonic() - t0
+    res = collect(m, work)
+    res["seconds"] = round(seconds, 1)
+    if rc != 0:
+        res["error"] = f"mutmut exited with status {rc} (its output is above)"
+    return res
+
+
+def collect(m: Module, work: Path) -> dict:
+    """Counts per class, the score and the survivors' names from mutmut's ``.meta`` files."""
+    codes: dict[str, int | None] = {}
+    for f in module_files(m):
+        meta = work / "mutants" / (f + ".meta")
+        if meta.exists():
+            codes.update(json.loads(meta.read_text())["exit_code_by_key"])
+    by = {name: status(code) for name, code in codes.items()}
+    count = lambda s: sum(1 for v in by.values() if v == s)
+    survivors = sorted(n for n, s in by.items() if s in ("survived", "no tests"))
+    equivalent = [n for n in survivors if n in EQUIVALENT]
+    killed, timeout = count("killed"), count("timeout")
+    total = len(by)
+    scored = total - len(equivalent)
+    return {
+        "files": module_files(m),
+        "tests": list(m.tests),
+        "total": total,
+        "killed": killed,
+        "survived": count("survived"),
+        "timeout": timeout,
+        "no_tests": count("no tests"),
+        "other": total - killed - timeout - count("survived") - count("no tests"),
+        "equivalent": len(equivalent),
+        # killed (a timeout is a mutant the tests stopped) over the mutants that are not equivalent
+        "score": round((killed + timeout) / scored, 4) if scored else None,
+        "survivors": [n for n in survivors if n not in EQUIVALENT],
+        "equivalent_mutants": equivalent,
+        "not_killed_other": sorted(n for n, s in by.items() if s not in ("killed", "timeout", "survived", "no tests")),
+    }
+
+
+def write_result(results: dict[str, dict], command: str) -> dict:
+    """Merge ``results`` into mutation.json (modules run earlier keep their rows) and write it."""
+    old = json.loads(RESULT.read_text()) if RESULT.exists() else {}
+    modules = {**old.get("modules", {}), **results}
+    modules = {m.name: modules[m.name] for m in MODULES if m.name in modules}
+    tot = {k: sum(r[k] for r in modules.values()) for k in ("total", "killed", "survived", "timeout", "no_tests")}
+    eq = sum(r["equivalent"] for r in modules.values())
+    scored = tot["total"] - eq
+    out = {
+        **tot,
+        "equivalent": eq,
+        "score": round((tot["killed"] + tot["timeout"]) / scored, 4) if scored else None,
+        "command": command,
+        "mutmut": _mutmut_version(),
+        "written": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "modules": modules,
+    }
+    RESULT.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def _mutmut_version() -> str:
+    from importlib.metadata import version
+
+    return version("mutmut")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--module", action="append", choices=[m.name for m in MODULES], help="a module (repeatable)")
+    ap.add_argument("--keep", action="store_true", help="reuse mutmut's earlier results in mutants/<module>/")
+    ap.add_argument("--mutant", action="append", default=[], help="only these mutants (mutmut names or globs)")
+    ap.add_argument("--max-children", type=int, default=2, help="mutants tested at once (default 2)")
+    ap.add_argument("--list", action="store_true", help="print the table and exit")
+    a = ap.parse_args(argv)
+    chosen = [m for m in MODULES if not a.module or m.name in a.module]
+    if a.list:
+        for m in chosen:
+            print(f"{m.name:10} {m.owner}  {' '.join(module_files(m))}\n{'':14}tests: {' '.join(m.tests)}")
+        return 0
+    if a.mutant and len(chosen) != 1:
+        ap.error("--mutant needs exactly one --module")
+    results = {}
+    for m in chosen:
+        results[m.name] = run_module(m, a.keep or bool(a.mutant), a.max_children, a.mutant)
+        results[m.name]["command"] = f"python tools/mutate.py --module {m.name}"
+        r = results[m.name]
+        print(
+            f"== {m.name}: {r['killed']} killed, {r['timeout']} timeout, {r['survived']} survived, "
+            f"{r['no_tests']} no tests of {r['total']} (score {r['score']}) in {r['seconds']} s",
+            flush=True,
+        )
+    command = "python tools/mutate.py" + "".join(f" --module {m.name}" for m in chosen if a.module)
+    command = command if a.module else "make mutate (python tools/mutate.py)"
+    out = write_result(results, command)
+    print(
+        f"mutation.json: {out['killed'] + out['timeout']}/{out['total'] - out['equivalent']} killed (score {out['score']})"
+    )
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
