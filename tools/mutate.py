@@ -79,7 +79,7 @@ MODULES: tuple[Module, ...] = (
     Module(
         "container",
         ("src/cachegen/codec/container.py",),
-        ("tests/codec/test_codec_bounds.py", "tests/codec/test_codec.py", *_FAST),
+        ("tests/codec/test_container.py", "tests/codec/test_codec_bounds.py", "tests/codec/test_codec.py", *_FAST),
         "H1",
     ),
     Module(
@@ -89,7 +89,7 @@ MODULES: tuple[Module, ...] = (
             "src/cachegen/codec/quant.py",
             "src/cachegen/codec/transform.py",
         ),
-        ("tests/codec/test_codec.py", "tests/codec/test_codec_bounds.py", *_FAST),
+        ("tests/codec/test_quant.py", "tests/codec/test_codec_bounds.py", "tests/codec/test_codec.py", *_FAST),
         "H1",
     ),
     Module(
@@ -115,23 +115,12 @@ MODULES: tuple[Module, ...] = (
 # (Mutant names are mutmut's: <module>.x_<function>__mutmut_<n>; docs/testing.md lists them too.)
 EQUIVALENT: dict[str, str] = {}
 
-# mutmut's exit-status classes (as in mutmut 3's status_by_exit_code)
-_KILLED = {1, 3}
-_TIMEOUT = {24, -24, 36, 152, 255}
-_STATUS = {0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 35: "suspicious", 37: "caught by type check"}
-
 
 def status(code: int | None) -> str:
-    """mutmut's class of a mutant's exit status."""
-    if code is None:
-        return "not checked"
-    if code in _KILLED:
-        return "killed"
-    if code in _TIMEOUT:
-        return "timeout"
-    if code in (-11, -9):
-        return "segfault"
-    return _STATUS.get(code, "suspicious")
+    """mutmut's class of a mutant's exit status ("killed", "survived", "timeout", "no tests", ...)."""
+    from mutmut.stats import status_by_exit_code
+
+    return status_by_exit_code[code]
 
 
 def module_files(m: Module) -> list[str]:

@@ -13,6 +13,7 @@ from cachegen.bench.needle import run_needle, wilson
 from cachegen.bench.plots import needle_plot, quality_plot, table, ttft_plot
 from cachegen.bench.quality import compare, reference, run_quality, text_ids
 from cachegen.bench.ttft import run_ttft
+from cachegen.kv import KVCache
 
 
 def _byte_tokenizer():
@@ -66,16 +67,33 @@ def test_text_ids_any_file_and_wraps(tmp_path, tiny_lm):
     assert len(ids) == 100 and max(ids) < 260
 
 
-def test_compare_is_zero_for_identical_logits(tiny_lm):
-    ids = text_ids(tiny_lm.tokenizer, "pydoc-eval", 80)
-    ref = reference(tiny_lm.model, ids[:64], ids[64:])
-    m = compare(ref, ref.logp.clone())
-    assert (
-        m["kl"] == pytest.approx(0, abs=1e-7)
-        and m["top1_agreement"] == 1.0
-        # float32 log-softmax round-off: 1e-4 % is a relative perplexity change of 1e-6
-        and m["ppl_delta_pct"] == pytest.approx(0, abs=1e-4)
-    )
+def _ref(probs, cont_ids):
+    """A Reference over hand-written next-token distributions (no model)."""
+    from cachegen.bench.quality import Reference
+
+    logp = torch.tensor(probs, dtype=torch.float64).log().float()
+    nll = -sum(math.log(probs[i][t]) for i, t in enumerate(cont_ids[1:])) / (len(cont_ids) - 1)
+    return Reference(None, list(cont_ids), logp, nll, logp.argmax(-1))
+
+
+def test_compare_against_hand_computed_kl_top1_and_perplexity():
+    """KL, top-1 agreement and the perplexity change from their definitions, on three positions."""
+    p = [[0.5, 0.25, 0.25], [0.2, 0.7, 0.1], [0.6, 0.3, 0.1]]
+    q = [[0.25, 0.5, 0.25], [0.2, 0.7, 0.1], [0.3, 0.6, 0.1]]
+    cont = [2, 1, 0]  # positions 0 and 1 predict tokens 1 and 0
+    ref = _ref(p, cont)
+    # logits are any shift of the log-probabilities: compare() must normalise them itself
+    logits = torch.tensor(q, dtype=torch.float64).log().float() + torch.tensor([[3.0], [-7.0], [0.5]])
+    m = compare(ref, logits)
+    kl = sum(pi * math.log(pi / qi) for pr, qr in zip(p, q) for pi, qi in zip(pr, qr)) / 3
+    nll_q = -(math.log(q[0][1]) + math.log(q[1][0])) / 2
+    nll_p = -(math.log(p[0][1]) + math.log(p[1][0])) / 2
+    assert m["kl"] == pytest.approx(kl, rel=1e-5) and kl > 0.1
+    assert m["top1_agreement"] == pytest.approx(1 / 3)  # argmax moves at positions 0 and 2
+    assert m["ppl_delta_pct"] == pytest.approx(100 * (math.exp(nll_q) / math.exp(nll_p) - 1), rel=1e-5)
+    same = compare(ref, torch.tensor(p).log() - 1.0)
+    assert same["kl"] == pytest.approx(0, abs=1e-6) and same["top1_agreement"] == 1.0
+    assert same["ppl_delta_pct"] == pytest.approx(0, abs=1e-4)
 
 
 def test_quality_end_to_end(tmp_path, tiny_lm):
@@ -110,13 +128,40 @@ def test_quality_end_to_end(tmp_path, tiny_lm):
     json.dumps(res)  # the result is plain JSON
 
 
-def test_needle_end_to_end(tmp_path, tiny_lm):
-    res = run_needle(tiny_lm, B.make_codecs(["fp16", "kivi2"]), cases=2, context_tokens=200, max_new_tokens=3)
+def test_needle_end_to_end(tmp_path, tiny_lm, monkeypatch):
+    """Each row's answers and count against answers computed here one cache at a time.
+
+    A random model never finds the secret, so "correct" is counted by a stand-in judge: an answer
+    is right when it is the uncompressed cache's answer to the same case. recompute must then score
+    every case, and a codec the cases where its decoded cache gives that same answer."""
+    from cachegen import corpus
+    from cachegen.engine.prefill import eos_token_ids, greedy_generate, prefill
+
+    model, tok = tiny_lm.model, tiny_lm.tokenizer
+    variants = B.make_codecs(["fp16", "kivi2"])
+    eos = eos_token_ids(model, tok)
+    expected = {"recompute": [], "fp16": [], "kivi2": []}
+    for i in range(2):
+        case = corpus.needle_case(tok, 200, seed=i)
+        kv = prefill(model, case.context_ids)
+        expected["recompute"].append(
+            tok.decode(greedy_generate(model, kv, case.question_ids, 3, eos), skip_special_tokens=True)
+        )
+        for v in variants:
+            back = KVCache.concat([v.codec.decode(v.codec.encode(c, v.level)) for c in kv.chunks(B.CHUNK_TOKENS)])
+            out = greedy_generate(model, back, case.question_ids, 3, eos)
+            expected[v.label].append(tok.decode(out, skip_special_tokens=True))
+    truth = dict(zip((corpus.needle_case(tok, 200, seed=i).answer for i in range(2)), expected["recompute"]))
+    monkeypatch.setattr(corpus, "is_correct", lambda text, case: text == truth[case.answer])
+    res = run_needle(tiny_lm, variants, cases=2, context_tokens=200, max_new_tokens=3)
     rows = res["rows"]
     assert [r["codec"] for r in rows] == ["recompute", "fp16", "kivi2"]
-    for r in rows:
-        assert r["cases"] == 2 and 0 <= r["correct"] <= 2
+    for r, label in zip(rows, ("recompute", "fp16", "kivi2")):
+        assert r["sample_answers"] == expected[label]
+        assert r["correct"] == sum(a == b for a, b in zip(expected[label], expected["recompute"]))
+        assert r["cases"] == 2 and r["accuracy"] == r["correct"] / 2
         assert (r["ci_low"], r["ci_high"]) == pytest.approx(wilson(r["correct"], 2))
+    assert rows[0]["correct"] == 2
     assert rows[0]["bits_per_value"] is None and rows[1]["bits_per_value"] == pytest.approx(16, abs=0.1)
     needle_plot(res, tmp_path / "n.png")
     json.dumps(res)
@@ -206,7 +251,8 @@ def test_cli_quality_on_a_local_model_dir(tmp_path, tiny_lm, capsys):
 
 def test_metrics_agree_with_quality_metrics(tiny_lm):
     """The harness's metrics are the codec engineer's measure_quality, with the reference cached."""
-    qm = pytest.importorskip("cachegen.bench.quality_metrics")
+    from cachegen.bench import quality_metrics as qm
+
     ids = text_ids(tiny_lm.tokenizer, "pydoc-eval", 160)
     ref = reference(tiny_lm.model, ids[:128], ids[128:])
     codec = B.KiviCodec(2)

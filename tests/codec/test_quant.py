@@ -1,0 +1,93 @@
+"""The quantizer's table machinery against its definitions: classes, the Laplace prior, histograms, tables.
+
+A wrong class or table still round-trips (encoder and decoder share them), so only these
+definitions catch it before it costs bits."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cachegen.codec import quant
+
+
+def test_classes_are_half_octaves_of_std_over_step():
+    step = np.full(9, 0.5, dtype=np.float32)
+    ratio = np.array([1.0, 2.0, math.sqrt(2), 0.5, 2**-5, 2**-6, 2**6.5, 2**7, 2**1.2], dtype=np.float64)
+    got = quant.classes_for((ratio * 0.5).astype(np.float32), step)
+    # round(2 log2(ratio)) + 10, clipped to the 24 tables
+    assert got.tolist() == [10, 12, 11, 8, 0, 0, 23, 23, 12]
+    assert got.dtype == np.int64
+    assert quant.classes_for(np.zeros(2, np.float32), np.ones(2, np.float32)).tolist() == [0, 0]  # a dead component
+
+
+def _laplace_mass(q: int, ratio: float) -> float:
+    """P(round(X) = q) for a Laplace X of standard deviation ``ratio`` (scale ratio / sqrt 2)."""
+    b = ratio / math.sqrt(2)
+    cdf = lambda x: 0.5 * math.exp(x / b) if x < 0 else 1 - 0.5 * math.exp(-x / b)
+    return cdf(q + 0.5) - cdf(q - 0.5)
+
+
+@pytest.mark.parametrize("ratio", [0.3, 1.0, 4.0, 40.0])
+def test_laplace_prior_is_the_discretized_laplace_with_its_tails_cut(ratio):
+    p = quant.laplace_prior(ratio)
+    assert p.shape == (quant.ALPHABET,)
+    for s in range(2 * quant.CENTER + 1):
+        want = _laplace_mass(s - quant.CENTER, ratio)
+        assert p[s] == pytest.approx(want if want >= 2.0**-13 else 0.0, rel=1e-9, abs=1e-15), s
+    assert p[2 * quant.CENTER + 1 :].sum() == 0  # no mass on the escape symbol
+    assert p[quant.CENTER] == p.max() and np.allclose(p[:255], p[:255][::-1], rtol=1e-9, atol=0)  # symmetric
+
+
+def test_laplace_prior_of_a_vanishing_spread_is_a_spike():
+    p = quant.laplace_prior(0.0)  # floored at 1e-3 steps: all mass on zero
+    assert p[quant.CENTER] == pytest.approx(1.0) and p.sum() == pytest.approx(1.0)
+
+
+def test_histogram_counts_each_symbol_in_its_shifted_clipped_class():
+    rng = np.random.default_rng(0)
+    sym = rng.integers(0, quant.ALPHABET, size=(7, 5)).astype(np.uint8)
+    cls = np.array([0, 3, 22, 23, 10])
+    shift = np.array([0, -1, 1, 2, -3, 0, 1])
+    counts = np.full((quant.N_CLASSES, quant.ALPHABET), 5, dtype=np.int64)
+    quant.histogram_classes(sym, cls, counts, shift)
+    want = np.full((quant.N_CLASSES, quant.ALPHABET), 5, dtype=np.int64)
+    for t in range(7):
+        for c in range(5):
+            want[min(max(cls[c] + shift[t], 0), quant.N_CLASSES - 1), sym[t, c]] += 1
+    assert np.array_equal(counts, want)
+    plain = np.zeros_like(counts)
+    quant.histogram_classes(sym, cls, plain)  # no shift
+    assert plain.sum() == sym.size and all(plain[cls[c], sym[0, c]] >= 1 for c in range(5))
+    assert plain[cls[1]].sum() == 7
+
+
+def _smoothed(counts: np.ndarray, k: int, weight: float) -> np.ndarray:
+    """The documented smoothing of class ``k``: its counts plus ``weight * total + 64`` pseudo-counts
+    spread as the class's Laplace prior (std ``2^((k - 10) / 2)`` steps), escape at least ~0, as
+    shares of 4096."""
+    c = counts[k].astype(np.float64).copy()
+    prior = quant.laplace_prior(2.0 ** ((k - quant.CLASS_OFFSET) / 2))
+    c += prior / prior.sum() * (weight * c.sum() + 64.0)
+    return c / c.sum() * 4096
+
+
+def test_tables_follow_the_counts_smoothed_by_the_prior():
+    counts = np.zeros((quant.N_CLASSES, quant.ALPHABET))
+    k = 12  # std = 2 steps
+    counts[k, quant.CENTER - 3 : quant.CENTER + 4] = [1, 10, 100, 1000, 100, 10, 1]
+    counts[3, quant.ESCAPE] = 50  # a class of escapes only
+    for weight in (0.002, 1.0):
+        f = quant.tables_from_counts(counts, 12, prior_weight=weight)
+        assert f.shape == (quant.N_CLASSES, quant.ALPHABET) and f.dtype == np.int64
+        assert (f.sum(axis=1) == 4096).all() and (f[:, quant.ESCAPE] >= 1).all()  # an escape is always codable
+        for j in (k, 3, 4, 10, 20):  # counted classes, and classes that are their prior alone
+            want = _smoothed(counts, j, weight)
+            # within rounding, and the +1s that keep every supported symbol codable (taken from the top)
+            assert (np.abs(f[j] - want) <= 3 + 0.05 * want).all(), (weight, j)
+            assert ((f[j] > 0) == (want > 0) | (np.arange(quant.ALPHABET) == quant.ESCAPE)).all()
+    strong = quant.tables_from_counts(counts, 12, prior_weight=1.0)
+    weak = quant.tables_from_counts(counts, 12, prior_weight=0.002)
+    assert strong[k, quant.CENTER] < weak[k, quant.CENTER]  # more weight on the prior pulls a class towards it
