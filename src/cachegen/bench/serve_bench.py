@@ -303,7 +303,7 @@ def run(
     ram_bytes: int = 2 << 30,
     plot: str | Path | None = None,
     prefer_netns: bool = True,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
 ) -> dict:
     """Every mode in turn against a fresh store; returns ``{"rows": [...], "requests": {...}, ...}``."""
     from cachegen.calibrate import load_or_calibrate
@@ -318,14 +318,12 @@ def run(
         raise ConfigError(f"unknown mode(s) {', '.join(sorted(unknown))}: choose from {', '.join(MODES)}")
     tmp = Path(tempfile.mkdtemp(prefix="cachegen-bench-serve-"))
     rows, per_request = [], {}
-    import torch
-
     base = Engine.open(
         model,
         f"file://{tmp / 'base'}",
         chunk_tokens,
         progress=False,
-        dtype=getattr(torch, dtype),
+        dtype=dtype,
         profile=load_or_calibrate,
     )
     try:
@@ -364,7 +362,7 @@ def run(
         shutil.rmtree(tmp, ignore_errors=True)
     out = {
         "model": model,
-        "dtype": dtype,
+        "dtype": str(base.model.dtype).removeprefix("torch."),
         "workload": w.__dict__,
         "chunk_tokens": chunk_tokens,
         "slo_s": slo_s,
@@ -443,9 +441,9 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--dtype",
-        choices=("bfloat16", "float32"),
-        default="bfloat16",
-        help="the model's compute dtype (default bfloat16; float32 is faster on CPUs without AVX512-BF16)",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="the model's compute dtype (default auto: bfloat16 on a CPU with AVX512-BF16 or AMX, else float32)",
     )
     p.add_argument(
         "--link",
@@ -490,14 +488,14 @@ def _cmd(args: argparse.Namespace) -> int:
 QUICK = Workload(users=2, rounds=3, system_tokens=200, doc_tokens=400, answer_tokens=8, qps=2.0)
 
 
-def section(model: str, out: Path, quick: bool = False) -> list[str]:
+def section(model: str, out: Path, quick: bool = False, dtype: str = "auto") -> list[str]:
     """The ``bench all`` section: runs every mode, writes serve.json and serve.png, returns Markdown lines."""
     import json
 
     from cachegen.bench.plots import table
 
     w = QUICK if quick else Workload()
-    res = run(model, MODES, w, plot=out / "serve.png")
+    res = run(model, MODES, w, plot=out / "serve.png", dtype=dtype)
     (Path(out) / "serve.json").write_text(json.dumps(res, indent=2) + "\n")
     return [
         "## Serving: multi-round chats",

@@ -131,7 +131,7 @@ def run_stream_bench(
     link: str = "inproc",
     gbps: float = 0.1,
     methods: Sequence[str] | None = None,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     sim_runs: int = 0,
@@ -162,6 +162,7 @@ def run_stream_bench(
     from cachegen.codec import LEVELS, Codec
     from cachegen.codec.container import FORMAT_VERSION
     from cachegen.corpus import take_tokens, text
+    from cachegen.engine.dtype import cast_model, resolve_dtype
     from cachegen.engine.models import load_model
     from cachegen.engine.prefill import continue_from, prefill
     from cachegen.store.backend import ChunkWrite
@@ -176,8 +177,9 @@ def run_stream_bench(
     profile = load_or_calibrate(lm)
     m: Any = lm.model
     tok: Any = lm.tokenizer
+    dtype = str(resolve_dtype(dtype)).removeprefix("torch.")
     if dtype != "float32":
-        m.to(getattr(torch, dtype))
+        cast_model(m, getattr(torch, dtype))
     src = text("pydoc-eval") if "pydoc-eval" in _sources() else text(_sources()[0])
     ids = tok(take_tokens(tok, src, context_tokens + TAIL_TOKENS + CONT_TOKENS + 64), add_special_tokens=False)[
         "input_ids"
@@ -541,7 +543,12 @@ def register(sub) -> argparse.ArgumentParser:
         default="inproc",
         help="inproc: an in-process throttled link; netns: Redis behind a shaped veth pair (root, ip, tc)",
     )
-    p.add_argument("--dtype", default="bfloat16", help="serving dtype of the model (default bfloat16)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float32"),
+        help="serving dtype of the model (default auto: bfloat16 on a CPU with AVX512-BF16 or AMX, else float32)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON ('-': stdout)")
     p.add_argument("--prefetch", type=int, default=8, help="fetched chunks that may wait for decoding (default 8)")
     p.add_argument(

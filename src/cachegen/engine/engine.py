@@ -21,6 +21,7 @@ from cachegen import codec as codec_mod
 from cachegen.codec import Profile
 from cachegen.engine.chat import normalize, render
 from cachegen.engine.completion import Completion, RequestOptions
+from cachegen.engine.dtype import cast_model, resolve_dtype
 from cachegen.engine.hf_cache import values_per_token
 from cachegen.engine.models import DEFAULT_MODEL, LoadedModel, load_model
 from cachegen.engine.prefill import Decoder, eos_token_ids, prefill
@@ -83,7 +84,7 @@ class Engine:
         chunk_tokens: int = 256,
         levels: Sequence[int] | None = None,
         progress: bool = True,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: str | torch.dtype | None = None,
         *,
         profile: Profile | ProfileSource,
     ) -> Engine:
@@ -93,15 +94,17 @@ class Engine:
         loaded model that returns one; pass
         :func:`cachegen.calibrate.load_or_calibrate` to calibrate once and cache.
         It is a parameter because calibration needs a live model and so sits in
-        the layer above this one. The model serves in ``dtype`` (bf16 by
-        default: the KV size serving engines keep); the profile source gets the
-        fp32 model, so profiles do not depend on the serving dtype.
+        the layer above this one. The model serves in ``dtype`` (default
+        ``"auto"``: bf16 where the CPU computes it natively, else fp32, see
+        :mod:`cachegen.engine.dtype`); the profile source gets the fp32 model,
+        so profiles do not depend on the serving dtype.
         """
         lm = load_model(model, progress=progress)
         if not isinstance(profile, Profile):
             profile = profile(lm)
+        dtype = resolve_dtype(dtype)
         if dtype != torch.float32:
-            lm.model.to(dtype)
+            cast_model(lm.model, dtype)
         codec = codec_mod.Codec(profile, lm.fingerprint)
         # the KV depends on the compute dtype too: bf16 and fp32 servers must not share chunks
         ns = Namespace(f"{lm.fingerprint}-{str(dtype).removeprefix('torch.')}", codec_mod.FORMAT_VERSION, profile.id)
