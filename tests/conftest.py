@@ -46,3 +46,17 @@ def tiny_llama():
         max_position_embeddings=2048,
     )
     return LlamaForCausalLM(cfg).eval()
+
+
+# Real Redis servers (one, private ones, a 3-node cluster) and the store URLs every backend test and
+# the loader's real-store tests run against: defined in tests/store/servers.py, registered here.
+from store.servers import (  # noqa: E402
+    any_url,
+    cluster_url,
+    redis_cluster,
+    redis_factory,
+    redis_server,
+    redis_url,
+)
+
+__all__ = ["any_url", "cluster_url", "redis_cluster", "redis_factory", "redis_server", "redis_url"]

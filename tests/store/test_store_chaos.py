@@ -210,6 +210,36 @@ def test_byte_counter_stays_consistent_when_payloads_are_dropped(tmp_path):
     assert counter(b)[0] == counter(b)[1] == counter(b)[2]
 
 
+def test_byte_counter_stays_consistent_after_eviction_and_rm(tmp_path):
+    """The counter that the size cap is enforced with equals the indexed sizes and the bytes on disk,
+    exactly, after each way chunks leave: `store rm` of a context that shares its prefix, a delete of
+    what is not there, eviction under a lower cap (by evict, by a new cap, by writes), and clear."""
+    from cachegen.store.catalog import remove_context
+
+    root = tmp_path / "store"
+    cs, toks = filled(root)
+    b = cs.backend
+    other = toks[:32] + list(range(900, 932))  # shares its first two chunks with ``toks``
+    cs.put_context(other, make_kv(64, seed=6))
+    sizes = {i.ref.key: sum(i.sizes.values()) for t in (toks, other) for i in cs.plan(t)}
+    (size,) = set(sizes.values())  # every chunk: 16 tokens at the same three levels
+    assert len(sizes) == 6 and counter(b) == (6 * size,) * 3
+
+    assert remove_context(b, cs.plan(other)[-1].ref.key) == 2  # its own two chunks; the shared ones stay
+    assert counter(b) == (4 * size,) * 3 and cs.lookup(toks) == 64
+    assert b.delete_chunks([key(12345)]) == 0 and counter(b) == (4 * size,) * 3
+
+    assert b.evict(max_bytes=4 * size - 1) == 1
+    assert counter(b) == (3 * size,) * 3
+    LocalBackend(root, max_bytes=2 * size)  # a lower cap holds at once
+    assert counter(b) == (2 * size,) * 3
+    third = list(range(2000, 2064))
+    cs.put_context(third, make_kv(64, seed=7))  # each chunk written evicts one
+    assert counter(b) == (2 * size,) * 3 and b.stats().chunks == 2
+
+    assert b.clear() == 2 and counter(b) == (0, 0, 0) and blob_files(root) == []
+
+
 def test_a_fifo_or_symlink_in_place_of_a_blob_neither_blocks_nor_is_followed(tmp_path):
     b = LocalBackend(tmp_path / "store")
     b.put_chunk(key(1), b"", {0: b"a" * 10, 1: b"b" * 10})

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from cachegen.errors import ConfigError
 from cachegen.store import Namespace, chunk_keys, chunk_spans, token_bytes
-from cachegen.store.keys import tokens_from_bytes
+from cachegen.store.keys import check_key, tokens_from_bytes
 
 NS = Namespace("model-fp-test", 1, "0123abcd")
 # Pinned: a change here breaks every stored cache and every other machine's keys.
@@ -105,3 +105,29 @@ def test_key_is_the_documented_chain():
     k0 = hashlib.blake2b(root.digest() + struct.pack("<256I", *toks[:256]), digest_size=32).digest()
     k1 = hashlib.blake2b(k0 + struct.pack("<44I", *toks[256:]), digest_size=32).digest()
     assert [r.key for r in chunk_keys(toks, NS, 256)] == [k0.hex(), k1.hex()]
+
+
+def test_only_chunk_keys_pass_the_check():
+    """What reaches a file name or a Redis key: exactly 64 lowercase hex characters."""
+    k = "0123456789abcdef" * 4
+    assert check_key(k) == k
+    assert check_key(chunk_keys([1, 2, 3], NS, 2)[0].key)
+    for bad in (k[:-1], k + "0", k.upper(), k[:-1] + "g", "../" + k[3:], k[:-1] + "/", ""):
+        with pytest.raises(ConfigError):
+            check_key(bad)
+
+
+def test_empty_and_boundary_token_ids():
+    assert token_bytes([]) == b"" and tokens_from_bytes(b"") == [] and chunk_keys([], NS, 4) == []
+    assert token_bytes([0, 0xFFFFFFFF]) == b"\x00\x00\x00\x00\xff\xff\xff\xff"
+    assert token_bytes(np.array([7, 1 << 31], dtype=np.uint64)) == b"\x07\x00\x00\x00\x00\x00\x00\x80"
+    assert token_bytes(torch.tensor([3], dtype=torch.int32)) == b"\x03\x00\x00\x00"
+    for bad in (np.array([1.0, 2.0]), np.array([True]).astype(np.float16)):
+        with pytest.raises(ConfigError):
+            token_bytes(bad)
+
+
+@pytest.mark.parametrize("bad", [("fp", -1, "p"), ("fp", 1.5, "p"), ("fp", 1, ""), ("", 1, "p")])
+def test_a_namespace_needs_a_model_a_version_and_a_profile(bad):
+    with pytest.raises(ConfigError):
+        Namespace(*bad)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from store_helpers import check_one_copy, ingest_twice, spawn
 
-from cachegen.errors import ChunkNotFound, CorruptChunk, StoreError
+from cachegen.errors import ChunkNotFound, ConfigError, CorruptChunk, StoreError
 from cachegen.store import ChunkWrite, ContextStore, open_backend
 from cachegen.store.local import LocalBackend
 
@@ -96,32 +96,57 @@ def test_evicted_file_reads_as_not_found(store_dir):
         b.get(key(1), 0)
 
 
+class FakeClock:
+    """Wall-clock seconds that move only when a test says so (the store's access times come from it)."""
+
+    def __init__(self, t: float = 1_700_000_000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def last_access(b: LocalBackend, i: int) -> int:
+    return b._query("SELECT last_access FROM chunks WHERE key=?", (key(i),))[0][0]
+
+
 def test_lru_eviction_under_the_cap(store_dir):
-    b = open_backend(f"file://{store_dir}?max_bytes=5000")
-    for i in range(4):
+    clock = FakeClock()
+    t0 = int(clock.t)
+    b = LocalBackend(store_dir, max_bytes=5000, clock=clock)
+    for i in range(4):  # written in one second
         write(b, i, start=0)
-    old = int(time.time()) - 100
-    b._query("SELECT 1")
-    with b._write() as db:  # chunks 0..3 were used long ago, 1 most recently of them
-        db.execute("UPDATE chunks SET last_access=?", (old,))
-        db.execute("UPDATE chunks SET last_access=? WHERE key=?", (old + 50, key(1)))
-    b.get(key(2), 0)  # a read refreshes chunk 2
-    assert b._query("SELECT last_access FROM chunks WHERE key=?", (key(2),))[0][0] > old + 50
-    write(b, 4, sizes=(2500,), start=16)  # needs 2 of the oldest to go: 0 then 3
+    clock.t += 50
+    b.get(key(1), 0)
+    clock.t += 40
+    b.get(key(2), 0)
+    assert [last_access(b, i) for i in range(4)] == [t0, t0 + 50, t0 + 90, t0]
+    clock.t += 0.5  # the same second as chunk 2's read
+    write(b, 4, sizes=(2500,), start=16)  # in the same second as chunk 2's read; needs 0 and 3 (the oldest) to go
     assert [b.has(key(i)) for i in range(5)] == [False, True, True, False, True]
-    assert b.stats().bytes <= 5000
+    assert b.stats().bytes == 4500 and last_access(b, 4) == t0 + 90
     with pytest.raises(StoreError):
         write(b, 5, sizes=(6000,))
     # the cap belongs to the store: another process opening it without one keeps it
     assert LocalBackend(store_dir).max_bytes == 5000
-    # 2 and 4 used in the same second, set explicitly (the read and the write may straddle a second):
-    # on a tie the later chunk of a context goes first
-    with b._write() as db:
-        db.execute("UPDATE chunks SET last_access=? WHERE key IN (?, ?)", (old + 90, key(2), key(4)))
-    assert (
-        b.evict(max_bytes=1000) == 2 and b.stats().bytes <= 1000
-    )  # 1, then 4 (same second as 2, later in its context)
-    assert b.has(key(2))
+    # 1 goes first (oldest); 2 and 4 tie on their second, and then the later chunk of a context goes first
+    assert b.evict(max_bytes=1000) == 2 and b.stats().bytes == 1000
+    assert [b.has(key(i)) for i in (1, 2, 4)] == [False, True, False]
+
+
+def test_old_temporary_files_of_live_writers_are_collected(store_dir):
+    """A writer's staging file is left alone while the writer lives, unless it is over an hour old."""
+    clock = FakeClock()
+    b = LocalBackend(store_dir, clock=clock)
+    mine = store_dir / "tmp" / f"{os.getpid()}.{'ab' * 8}.tmp"  # this process is alive
+    mine.write_bytes(b"staged")
+    os.utime(mine, (clock.t, clock.t))
+    clock.t += 3599
+    b.evict()
+    assert mine.exists()
+    clock.t += 2
+    b.evict()
+    assert not mine.exists()
 
 
 def test_eviction_drops_a_context_tail_first(store_dir, namespace, encoder, kv_factory):
@@ -215,3 +240,60 @@ def test_lowering_the_cap_applies_at_once(store_dir):
         write(b, i)
     assert LocalBackend(store_dir, max_bytes=2500).stats().bytes <= 2500
     assert b.stats().chunks == 2
+
+
+# -- the rest of the backend's interface, value by value ------------------------------------------
+
+
+def test_sizes_tokens_stats_and_end_marks(store_dir):
+    b = LocalBackend(store_dir)
+    write(b, 0, sizes=(10, 20), start=0)
+    write(b, 1, sizes=(30,), start=16, ends=True)
+    keys = [key(i) for i in range(501)]  # over one query's 500 keys: the last one is in a second batch
+    write(b, 500, sizes=(7,), start=32)
+    sizes = b.sizes_many(keys)
+    assert sizes[0] == {0: 10, 1: 20} and sizes[1] == {0: 30} and sizes[500] == {0: 7}
+    assert all(s == {} for s in sizes[2:500])
+    assert b.tokens(key(0)) == b"\x01\x00\x00\x00"
+    with pytest.raises(ChunkNotFound):
+        b.tokens(key(2))
+    s = b.stats()
+    assert (s.chunks, s.contexts, s.bytes) == (3, 1, 67)
+    assert {lv: (x.chunks, x.bytes) for lv, x in s.levels.items()} == {0: (3, 47), 1: (1, 20)}
+    b.unmark_end(key(1))
+    assert b.stats().contexts == 0
+    rows = {r.key: r for r in b.chunk_rows()}
+    assert rows[key(1)].start == 16 and rows[key(1)].num_tokens == 1 and rows[key(1)].sizes == {0: 30}
+    assert not rows[key(1)].ends_context
+
+
+def test_settings_first_claim_wins_and_clear_forgets_chunk_sizes(store_dir):
+    b = LocalBackend(store_dir)
+    assert b.get_setting("chunk_tokens:ab") is None
+    assert b.claim_setting("chunk_tokens:ab", "16") == "16"
+    assert b.claim_setting("chunk_tokens:ab", "32") == "16"  # another process's claim came first
+    assert b.claim_setting("other", "x") == "x"
+    write(b, 0)
+    assert b.clear() == 1
+    assert b.get_setting("chunk_tokens:ab") is None and b.get_setting("other") == "x"
+
+
+def test_a_chunk_that_cannot_fit_beside_itself_is_refused(store_dir):
+    b = LocalBackend(store_dir, max_bytes=1000)
+    write(b, 0, sizes=(800,))
+    with pytest.raises(StoreError, match="cannot free"):  # its own level 0 may not be evicted for its level 1
+        write(b, 0, sizes=(800, 800))
+    assert b.sizes(key(0)) == {0: 800} and b.stats().bytes == 800
+    with pytest.raises(ConfigError):
+        LocalBackend(store_dir, max_bytes=0)
+
+
+def test_staging_files_of_dead_writers_are_collected_at_once(store_dir):
+    b = LocalBackend(store_dir)
+    tmp = store_dir / "tmp"
+    dead = [tmp / f"{pid}.{'cd' * 8}.tmp" for pid in (2**22 + 1, 9_999_999_999)]  # no such process / pid
+    other = tmp / "notes.txt"  # not a name of this store: left alone
+    for p in (*dead, other):
+        p.write_bytes(b"x")
+    b.evict()
+    assert [p.exists() for p in dead] == [False, False] and other.exists()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import signal
 import socket
@@ -111,16 +110,21 @@ def test_bad_urls():
 # -- a Redis that goes away --------------------------------------------------------
 
 
+def _payload(i: int, size: int) -> bytes:
+    """Chunk i's payload: random bytes the test can recompute, so reads are compared by value."""
+    return random.Random(i).randbytes(size)
+
+
 def _filled(url: str, n: int = 8, size: int = 1 << 20) -> tuple[RedisBackend, list[tuple[str, int]]]:
     b = open_backend(url + "?timeout=0.5")
-    b.put_chunks([ChunkWrite(key(i), b"", {0: os.urandom(size)}) for i in range(n)])
+    b.put_chunks([ChunkWrite(key(i), b"", {0: _payload(i, size)}) for i in range(n)])
     return b, [(key(i), 0) for i in range(n)]
 
 
 def test_killed_server_raises_store_unavailable(redis_factory):
     srv = redis_factory()
     b, items = _filled(srv.url)
-    assert len(b.get_many(items)) == len(items)
+    assert b.get_many(items) == [_payload(i, 1 << 20) for i in range(8)]
     srv.kill()
     t = time.monotonic()
     for call in (
@@ -198,7 +202,7 @@ def test_connection_cut_mid_reply_raises_store_unavailable(redis_url):
         with pytest.raises(StoreUnavailable):
             b.get_many(items)
         b2 = open_backend(proxy.url + "?timeout=2")
-        assert len(b2.get(*items[0])) == 256 << 10  # a reply that fits is whole and verified
+        assert b2.get(*items[0]) == _payload(0, 256 << 10)  # a reply that fits is whole and verified
     finally:
         proxy.close()
 
@@ -233,7 +237,7 @@ def test_cluster_node_killed_mid_use(redis_factory):
         assert time.time() < deadline
         time.sleep(0.05)
     b, items = _filled(f"redis+cluster://127.0.0.1:{nodes[0].port}", n=30, size=100)
-    assert len(b.get_many(items)) == 30
+    assert b.get_many(items) == [_payload(i, 100) for i in range(30)]
     nodes[1].kill()
     with pytest.raises(StoreUnavailable):
         b.get_many(items)

@@ -67,7 +67,8 @@ def test_lossless_load_equals_cache(setup):
     assert res.choices == [0] * 7 and not res.faults
     assert_same(res.kv, kv)
     assert model.calls[-1] != (0, 0) and len(model.calls) == 7  # only the fixture's own calls
-    assert all(d.bytes > 0 and d.fetch_end is not None for d in res.decisions)
+    assert [d.bytes for d in res.decisions] == [i.sizes[0] for i in store.plan(tokens)]
+    assert all(d.fetch_start is not None and d.fetch_start <= d.fetch_end <= d.decode_start for d in res.decisions)
 
 
 def test_nothing_cached(setup):

@@ -42,7 +42,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -114,18 +114,25 @@ class LocalBackend(Backend):
     """``file://PATH``: a directory holding ``cachegen-store.json``, ``index.sqlite3``, ``blobs/`` and ``tmp/``.
 
     ``create=False`` (read-only commands) opens an existing store only: it
-    raises ``StoreError`` where there is none instead of making one."""
+    raises ``StoreError`` where there is none instead of making one. ``clock``: wall-clock seconds
+    for access times (LRU) and the age of temporary files; a test passes one it moves itself."""
 
     local = True
 
     def __init__(
-        self, root: str | os.PathLike, max_bytes: int | None = None, busy_timeout: float = 30.0, create: bool = True
+        self,
+        root: str | os.PathLike,
+        max_bytes: int | None = None,
+        busy_timeout: float = 30.0,
+        create: bool = True,
+        clock: Callable[[], float] = time.time,
     ):
         self.root = Path(root).expanduser().resolve()
         self.url = f"file://{self.root}"
         self.blobs = self.root / "blobs"
         self.tmp = self.root / "tmp"
         self.busy_timeout = busy_timeout
+        self.clock = clock
         self._local = threading.local()
         if max_bytes is not None and max_bytes <= 0:
             raise ConfigError("max_bytes must be positive")
@@ -327,7 +334,7 @@ class LocalBackend(Backend):
             for level, data in w.payloads.items():
                 if int(level) not in have:
                     staged[int(level)] = (self._stage(data), len(data), checksum(data))
-            now = int(time.time())
+            now = int(self.clock())
             renamed: list[Path] = []
             try:
                 with self._write() as db:
@@ -450,7 +457,7 @@ class LocalBackend(Backend):
     def get_many(self, items: Sequence[tuple[str, int]], *, timeout: float | None = None) -> list[bytes]:
         d = Deadline(timeout)
         out = []
-        now = int(time.time())
+        now = int(self.clock())
         stale = set()
         for key, level in items:
             d.left()
@@ -581,7 +588,7 @@ class LocalBackend(Backend):
             if name not in known:
                 with contextlib.suppress(OSError):  # a directory, or a file we may not remove: not ours to force
                     p.unlink()
-        cutoff = time.time() - TMP_MAX_AGE_S
+        cutoff = self.clock() - TMP_MAX_AGE_S
         for p in self.tmp.iterdir():
             if not _TMP_NAME.fullmatch(p.name):
                 continue

@@ -1,0 +1,91 @@
+"""The throughput estimator against values worked out by hand (harmonic means of a few samples)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachegen.errors import ConfigError
+from cachegen.stream.estimator import ThroughputEstimator
+
+
+def hm(*xs: float) -> float:
+    return len(xs) / sum(1.0 / x for x in xs)
+
+
+def fed(*gbps: float, window: int = 5) -> ThroughputEstimator:
+    e = ThroughputEstimator(window=window, min_bytes=0)
+    for g in gbps:
+        e.add_gbps(g)
+    return e
+
+
+def test_a_sample_is_bits_over_seconds_and_small_ones_do_not_count():
+    e = ThroughputEstimator(min_bytes=1000)
+    assert e.add(999, 1.0) is None and e.samples == []  # under min_bytes
+    assert e.add(2000, 0.0) is None and e.add(2000, -1.0) is None and e.samples == []  # no duration
+    assert e.add(1000, 1e-6) == pytest.approx(8.0, rel=1e-12)  # exactly min_bytes counts: 8000 bits in 1 us
+    assert e.add(125_000_000, 0.5) == pytest.approx(2.0, rel=1e-12)
+    assert e.samples == pytest.approx([8.0, 2.0], rel=1e-12)
+
+
+def test_prior_last_and_known():
+    cold = ThroughputEstimator()
+    assert not cold.known and not cold.has_prior
+    assert cold.last() == cold.estimate() == cold.harmonic_mean() == cold.tail_estimate() == 1.0  # the default
+    warm = ThroughputEstimator(prior_gbps=3.0)
+    assert warm.known and warm.last() == warm.estimate() == warm.tail_estimate() == 3.0
+    cold.add_gbps(0.5)
+    assert cold.known and cold.last() == 0.5
+    cold.reset()
+    assert not cold.known and cold.samples == [] and cold.s_per_bit_history() == []
+    warm.add_gbps(7.0)
+    warm.reset()
+    assert warm.known and warm.estimate() == 3.0  # the prior survives a reset
+
+
+@pytest.mark.parametrize("bad", [{"window": 0}, {"prior_gbps": 0.0}, {"prior_gbps": -1.0}])
+def test_bad_parameters_are_refused(bad):
+    with pytest.raises(ConfigError):
+        ThroughputEstimator(**bad)
+
+
+def test_the_window_keeps_the_last_samples_and_the_history_more():
+    e = fed(1.0, 2.0, 4.0, 8.0, window=3)
+    assert e.samples == [2.0, 4.0, 8.0]
+    assert e.harmonic_mean() == pytest.approx(hm(2.0, 4.0, 8.0), rel=1e-12)  # 3.4286, the first sample gone
+    assert e.s_per_bit_history() == pytest.approx([1e-9, 0.5e-9, 0.25e-9, 0.125e-9], rel=1e-12)
+    long = fed(*([1.0] * 70 + [2.0]))
+    h = long.s_per_bit_history()
+    assert len(h) == 64 and h[-1] == pytest.approx(0.5e-9) and h[0] == pytest.approx(1e-9)
+
+
+def test_estimate_is_the_latest_sample_when_it_is_below_the_mean():
+    assert fed(4.0, 4.0, 1.0).estimate() == pytest.approx(1.0)  # a drop shows at once
+    up = fed(1.0, 1.0, 8.0)
+    assert up.estimate() == pytest.approx(hm(1.0, 1.0, 8.0)) == pytest.approx(1.4118, rel=1e-4)  # a rise slowly
+    assert up.next_estimate(first_of_load=False) == up.estimate()
+
+
+@pytest.mark.parametrize(
+    ("samples", "want"),
+    [
+        ((4.0, 1.0), hm(4.0, 1.0)),  # two samples: no older one to compare with, the mean (1.6)
+        ((8.0, 8.0, 1.0, 2.0), 2.0),  # a step down: the faster of the last two (the mean is 2.29)
+        ((4.0, 1.0, 2.0), hm(4.0, 1.0, 2.0)),  # a step down, but the mean (1.71) is lower still
+        ((2.0, 100.0, 2.0, 2.0), hm(2.0, 100.0, 2.0, 2.0)),  # last two equal to the slowest older one: no step
+        ((4.0, 1.0, 5.0, 4.0, 4.0), hm(4.0, 1.0, 5.0, 4.0, 4.0)),  # a dip long ago
+        ((8.0, 8.0, 8.0, 1.0, 8.0), hm(8.0, 8.0, 8.0, 1.0, 8.0)),  # one slow fetch among fast ones: a dip (3.33)
+        ((9.0, 0.1, 9.0, 9.0, 9.0, 9.0, 1.0, 1.5), 1.5),  # the window (5) forgets the old 0.1
+    ],
+)
+def test_tail_estimate(samples, want):
+    e = fed(*samples)
+    assert e.tail_estimate() == pytest.approx(want, rel=1e-12)
+    assert e.next_estimate(first_of_load=True) == e.tail_estimate()
+
+
+def test_a_loads_first_fetch_is_planned_at_the_tail_rate_not_a_stale_slow_sample():
+    e = fed(0.4, 0.4, 0.4, 0.4, 0.05)
+    assert e.estimate() == pytest.approx(0.05)
+    assert e.next_estimate(first_of_load=True) == pytest.approx(hm(0.4, 0.4, 0.4, 0.4, 0.05)) == pytest.approx(1 / 6)
+    assert e.next_estimate(first_of_load=False) == pytest.approx(0.05)
