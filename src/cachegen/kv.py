@@ -133,6 +133,37 @@ class KVCache:
         return True
 
     @staticmethod
+    def allocate(like: KVCache, num_tokens: int, *, start: int = 0, dtype: torch.dtype | None = None) -> KVCache:
+        """An uninitialised cache of ``num_tokens`` from ``start`` with ``like``'s layout (dtype: ``like``'s).
+
+        Why: a loader that knows the whole prefix's length allocates it once and writes each
+        chunk's slice as it is decoded (:meth:`write`), instead of joining the chunks at the end
+        (:meth:`concat`, a second copy of the whole context and twice its memory at the peak)."""
+        if num_tokens < 0:
+            raise ConfigError("num_tokens must be >= 0")
+        dt = dtype or like.dtype
+        layers = [
+            replace(
+                l,
+                k=torch.empty((l.k.shape[0], num_tokens, l.k.shape[2]), dtype=dt),
+                v=torch.empty((l.v.shape[0], num_tokens, l.v.shape[2]), dtype=dt),
+            )
+            for l in like.layers
+        ]
+        return KVCache(layers, start=start, meta=dict(like.meta))
+
+    def write(self, part: KVCache) -> None:
+        """Copy ``part`` into its token range of this cache (cast to this cache's dtype, as :meth:`to`)."""
+        if not (self.start <= part.start and part.end <= self.end):
+            raise ConfigError(f"part [{part.start}, {part.end}) outside cache range [{self.start}, {self.end})")
+        if not self.same_layout(part):
+            raise ConfigError("the part's layout differs from the cache's")
+        lo, hi = part.start - self.start, part.end - self.start
+        for dst, src in zip(self.layers, part.layers):
+            dst.k[:, lo:hi].copy_(src.k)
+            dst.v[:, lo:hi].copy_(src.v)
+
+    @staticmethod
     def concat(parts: Sequence[KVCache]) -> KVCache:
         """Join consecutive slices; they must be contiguous and share a layout."""
         if not parts:

@@ -88,8 +88,10 @@ def ttft(
     recompute_repeats: int = 1,
     text: str = "pydoc-eval",
     plot: str | Path | None = None,
+    adaptive: bool = True,
 ) -> dict:
-    """``bench ttft``: time to first token against bandwidth, per method."""
+    """``bench ttft``: time to first token against bandwidth, per method (``adaptive``: with the
+    loader's ``fastest`` policy over a ladder of formats)."""
     from cachegen.bench.ttft import run_ttft
 
     res = run_ttft(
@@ -102,6 +104,7 @@ def ttft(
         repeats=repeats,
         recompute_repeats=recompute_repeats,
         text=text,
+        adaptive=adaptive,
     )
     if plot:
         ttft_plot(res, plot)
@@ -146,13 +149,14 @@ STREAM_COLS = (
 )
 
 
-def _stream_section(model: str, out: Path, sizes: dict, link: str) -> list[str]:
+def _stream_section(model: str, out: Path, sizes: dict, link: str, dtype: str) -> list[str]:
     """The adaptive loader against fixed levels, 8-bit KV and recompute (``cachegen bench stream``)."""
     from cachegen.bench.stream_bench import run_stream_bench
 
     n = sizes["stream"]
     const = run_stream_bench(
         model,
+        dtype=dtype,
         trace="constant",
         gbps=0.1,
         slo="8bit:0.4",
@@ -165,6 +169,7 @@ def _stream_section(model: str, out: Path, sizes: dict, link: str) -> list[str]:
     )
     rand = run_stream_bench(
         model,
+        dtype=dtype,
         trace="random",
         slo="auto",
         runs=5,
@@ -177,6 +182,7 @@ def _stream_section(model: str, out: Path, sizes: dict, link: str) -> list[str]:
     )
     step = run_stream_bench(
         model,
+        dtype=dtype,
         trace="step",
         slo="trace-auto",
         runs=3,
@@ -190,7 +196,7 @@ def _stream_section(model: str, out: Path, sizes: dict, link: str) -> list[str]:
     return [
         "## Streaming under a deadline",
         "",
-        f"{n}-token context in bf16. Constant 100 Mbit/s with the deadline `8bit:0.4` (0.4x what 8-bit KV needs: "
+        f"{n}-token context in {dtype}. Constant 100 Mbit/s with the deadline `8bit:0.4` (0.4x what 8-bit KV needs: "
         "its transfer plus the tail prefill, i.e. the TTFT target itself); then the random trace "
         "(each chunk's bandwidth uniform in 0.1-10 Gbit/s) with the deadline `auto` (every chunk at the median "
         "level at the median bandwidth); then a step from 1 to 0.1 Gbit/s in the middle of the load, deadline "
@@ -217,14 +223,19 @@ def run_all(
     quick: bool = False,
     link: str = "inproc",
     codec_bench: bool = True,
-    ttft_dtype: str = "bfloat16",
+    ttft_dtype: str = "auto",
     stream: bool = True,
     serve: bool = True,
     vllm: bool = True,
+    scale: bool = True,
 ) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     sizes = SIZES["quick" if quick else "full"]
+    if ttft_dtype == "auto":  # the dtype the Engine and `cachegen serve` pick on this CPU
+        from cachegen.engine.dtype import auto_dtype_name
+
+        ttft_dtype = auto_dtype_name()
     names = list(codecs) if codecs else DEFAULT_CODECS.split(",")
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -278,7 +289,7 @@ def run_all(
 
     log.info("== ttft")
     t = time.perf_counter()
-    # time to first token is measured in the serving dtype (bf16: 2-3x faster prefill on CPU than fp32)
+    # time to first token is measured in the serving dtype (auto: bf16 only where the CPU computes it natively)
     lm_serve = load(model, ttft_dtype) if ttft_dtype != dtype else lm
     tt = ttft(
         lm_serve,
@@ -295,7 +306,8 @@ def run_all(
         "",
         f"Model in {ttft_dtype}. {tt['context_tokens']} context tokens, link `{tt['link']}`: fetch over the link (pipelined with "
         "decoding), decode, cache injection and the first decoding step (best of 2 runs); recompute = fetch token ids "
-        "+ prefill (1 run).",
+        "+ prefill (1 run); adaptive = the loader's `fastest` policy over raw 16- and 8-bit KV and the project "
+        "codec's levels (its `formats` say what it chose).",
         "",
         table(tt["rows"], TTFT_COLS, markdown=True),
         "",
@@ -306,15 +318,23 @@ def run_all(
     if stream:
         log.info("== stream")
         t = time.perf_counter()
-        md += _stream_section(model, out, sizes, link)
+        md += _stream_section(model, out, sizes, link, ttft_dtype)
         timings["stream"] = time.perf_counter() - t
+
+    if scale:
+        from cachegen.bench.scale import section as scale_section
+
+        log.info("== scale")
+        t = time.perf_counter()
+        md += scale_section(model, out, sizes, quick, project_codec="cachegen" in names, dtype=ttft_dtype)
+        timings["scale"] = time.perf_counter() - t
 
     if serve:
         from cachegen.bench.serve_bench import section as serve_section
 
         log.info("== serve")
         t = time.perf_counter()
-        md += serve_section(model, out, quick)
+        md += serve_section(model, out, quick, dtype=ttft_dtype)
         timings["serve"] = time.perf_counter() - t
 
     if vllm:  # in the vLLM environment (make vllm-setup); skipped with a note without it

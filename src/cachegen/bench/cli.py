@@ -45,6 +45,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "warm TTFT and stored bytes of vLLM with cachegen's and vLLM's example KV connector",
     ),
     "serve": ("cachegen.bench.serve_bench", "TTFT and throughput of the HTTP server under multi-round chats"),
+    "scale": ("cachegen.bench.scale", "TTFT and the load's peak memory against context length (1K-32K tokens)"),
 }
 
 

@@ -5,11 +5,14 @@ covers what a user's load does, because it *is* a user's load: the
 :class:`~cachegen.stream.loader.StreamingLoader` at the method's level (no
 deadline) plans against the store, fetches the context's chunks through the link
 (a pipelined fetch stage, one transfer at a time), decodes each chunk as it
-arrives (overlapping later transfers) and stitches them; then the cache is
+arrives (overlapping later transfers) into its range of the cache; then the cache is
 injected into the model and the first decoding step (the prompt tail after the
 context) runs. For ``recompute`` it covers fetching the token ids (4 bytes each)
-and prefilling context and tail. Encoding is offline (done at ingest) and not
-counted.
+and prefilling context and tail. For ``adaptive`` it is the loader's ``fastest`` policy over
+a ladder of formats (:func:`adaptive_ladder`: raw 16- and 8-bit KV and the project codec's
+levels, every chunk stored at each): per chunk the format, or text, that ends the load
+soonest by its cost model (measured here once, before the clock runs) and the link's
+estimate. Encoding is offline (done at ingest) and not counted.
 
 Links: ``inproc`` reads a local store (``file://``, a temporary directory) and
 sleeps as long as the bytes would take at that bandwidth
@@ -22,24 +25,43 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from cachegen.bench.baselines import CHUNK_TOKENS, Variant
+from cachegen.bench.baselines import CHUNK_TOKENS, RawCodec, UniformCodec, Variant
 from cachegen.bench.quality import text_ids
 from cachegen.engine.hf_cache import to_transformers
 from cachegen.engine.prefill import prefill
 from cachegen.errors import ConfigError
+from cachegen.kv import KVCache
 from cachegen.store import ContextStore, Namespace, open_backend, token_bytes
 from cachegen.store.backend import ChunkWrite
-from cachegen.stream import DirectLink, LoaderOptions, StreamingLoader, ThrottledLink, constant
+from cachegen.stream import (
+    FASTEST,
+    TEXT,
+    CostModel,
+    DirectLink,
+    FormatLadder,
+    LoaderOptions,
+    Rung,
+    StreamingLoader,
+    ThrottledLink,
+    ThroughputEstimator,
+    constant,
+)
+from cachegen.stream.costs import calibrate_decode, calibrate_recompute
 
 log = logging.getLogger(__name__)
 
 TTFT_FIELDS = ("method", "level", "bandwidth_gbps", "ttft_s")
+# per fetch on top of the emulated link: a local file read (the adaptive method's cost model)
+FETCH_OVERHEAD_S = 0.5e-3
 
 
 class _Bench:
@@ -99,19 +121,17 @@ def _recompute_first_token(model, ids: Sequence[int], step: int = 2048) -> int:
     return int(logits[0, -1].argmax())
 
 
-def time_kv_method(
-    model, bench: _Bench, store: ContextStore, variant: Variant, ctx: Sequence[int], tail: Sequence[int]
-) -> dict:
-    """One request: the loader at the variant's level, then the cache into the model and the first token."""
-    opts = LoaderOptions(policy=variant.level, slo_s=None, dtype=model.dtype)
-    loader = StreamingLoader(
-        store, variant.codec, lambda prefix, ids: prefill(model, ids, prefix=prefix), opts, link=bench.link
-    )
+def _recompute_fn(model):
+    return lambda prefix, ids: prefill(model, ids, prefix=prefix)
+
+
+def _time_load(model, loader: StreamingLoader, ctx: Sequence[int], tail: Sequence[int], label: str) -> tuple[dict, Any]:
+    """One request through ``loader``: the load, the cache into the model and the first token."""
     t0 = time.perf_counter()
     res = loader.load(ctx, t0=t0)
     t1 = time.perf_counter()
     if res.kv is None or res.faults or res.cached_tokens != len(ctx):  # then this would not time the method
-        raise ConfigError(f"{variant.label}: the load did not read the stored context: {res.summary()}")
+        raise ConfigError(f"{label}: the load did not read the stored context: {res.summary()}")
     cache = to_transformers(res.kv, model.config, dtype=model.dtype)
     t2 = time.perf_counter()
     tok = _first_token(model, cache, tail)
@@ -127,7 +147,64 @@ def time_kv_method(
         "inject_s": t2 - t1,
         "first_step_s": t3 - t2,
         "first_token": tok,
-    }
+    }, res
+
+
+def time_kv_method(
+    model, bench: _Bench, store: ContextStore, variant: Variant, ctx: Sequence[int], tail: Sequence[int]
+) -> dict:
+    """One request: the loader at the variant's level, then the cache into the model and the first token."""
+    opts = LoaderOptions(policy=variant.level, slo_s=None, dtype=model.dtype)
+    loader = StreamingLoader(store, variant.codec, _recompute_fn(model), opts, link=bench.link)
+    return _time_load(model, loader, ctx, tail, variant.label)[0]
+
+
+def adaptive_ladder(codecs: Sequence[Variant]) -> FormatLadder:
+    """What the ``adaptive`` method chooses from per chunk (besides text): raw 16- and 8-bit KV
+    (big, cheap to decode) and the project codec's levels among ``codecs`` (small, slower to decode)."""
+    rungs = [Rung("fp16", RawCodec("fp16"), 0), Rung("uniform8", UniformCodec(8), 0)]
+    rungs += [Rung(v.label, v.codec, v.level) for v in codecs if v.name == "cachegen" and v.level != 0]
+    return FormatLadder(rungs)
+
+
+def adaptive_costs(
+    model, ladder: FormatLadder, kv: KVCache, ctx: Sequence[int], chunk_tokens: int, latency_s: float
+) -> CostModel:
+    """The loader's cost model for ``model`` on this machine: decode per rung (into the model's
+    dtype), recompute (two prefills of a chunk, at prefix 0 and after up to 1,024 tokens) and
+    the link's per-fetch latency. Measured once per model; it does not depend on the context."""
+    a = chunk_tokens if kv.end >= 2 * chunk_tokens else 0  # a chunk past the attention sink, when there is one
+    sample = kv.slice(a, min(a + chunk_tokens, kv.end))
+    costs = calibrate_decode(ladder, sample, ladder.levels, dtype=model.dtype)
+    prefix = min(1024, len(ctx) - chunk_tokens)
+    if prefix > 0:
+        costs = calibrate_recompute(_recompute_fn(model), ctx, chunk_tokens, prefix, base=costs)
+    costs.fetch_latency_s = latency_s + FETCH_OVERHEAD_S
+    return costs
+
+
+def time_adaptive(
+    model,
+    bench: _Bench,
+    store: ContextStore,
+    ladder: FormatLadder,
+    costs: CostModel,
+    estimator: ThroughputEstimator,
+    ctx: Sequence[int],
+    tail: Sequence[int],
+    values_per_token: int,
+) -> dict:
+    """One request by the ``fastest`` policy over ``ladder``: per chunk the rung (or text) that
+    ends the load soonest by the cost model and the estimate of the link (``estimator``: one
+    per link, kept across loads as the engine keeps it)."""
+    opts = LoaderOptions(policy=FASTEST, slo_s=None, dtype=model.dtype, values_per_token=values_per_token)
+    loader = StreamingLoader(
+        store, ladder, _recompute_fn(model), opts, costs=costs, link=bench.link, estimator=estimator
+    )
+    row, res = _time_load(model, loader, ctx, tail, "adaptive")
+    row["formats"] = dict(Counter("text" if c == TEXT else ladder.label(int(c)) for c in res.choices))
+    row["fetched_bytes"] = sum(d.bytes for d in res.decisions)
+    return row
 
 
 def time_recompute(model, bench: _Bench, store: ContextStore, ctx: Sequence[int], tail: Sequence[int]) -> dict:
@@ -169,13 +246,18 @@ def run_ttft(
     recompute_repeats: int = 1,
     text: str = "pydoc-eval",
     chunk_tokens: int = CHUNK_TOKENS,
+    adaptive: bool = False,
 ) -> dict:
     """Rows of :data:`TTFT_FIELDS` plus a breakdown (:data:`BREAKDOWN`).
 
     ``ttft_s`` is the best of ``repeats`` runs (``recompute_repeats`` for
     recompute, whose long prefill is less sensitive to noise): on a shared
     machine the noise only ever adds time. Each codec's chunks are stored once
-    (encoded with the store's chunk keys) before the clock runs.
+    (encoded with the store's chunk keys) before the clock runs. ``adaptive``:
+    also the ``adaptive`` method (:func:`time_adaptive` over :func:`adaptive_ladder`,
+    its cost model measured before the clock runs, one untimed load per bandwidth first so
+    that its estimator knows the link; its rows add ``formats``, the rungs it chose, and
+    ``size_bytes`` is what it fetched).
     """
     if not bandwidths_gbps or any(b <= 0 for b in bandwidths_gbps):
         raise ConfigError("bandwidths must be positive")
@@ -187,38 +269,27 @@ def run_ttft(
     with tempfile.TemporaryDirectory(prefix="cachegen-ttft-") as tmp:
         bench = _Bench(link, latency_s, Path(tmp))
         try:
-            staged: list[tuple[str, Variant | None, ContextStore, int]] = []
-            if include_recompute:  # the token ids as one payload
-                st = bench.store(lm.fingerprint, "recompute", len(ctx))
-                raw = token_bytes(ctx)
-                ref = st.refs(ctx)[0]
-                bench.backend.put_chunks([ChunkWrite(ref.key, raw, {0: raw}, start=0, ends_context=True)])
-                staged.append(("recompute", None, st, len(raw)))
-            for c in codecs:
-                st = bench.store(lm.fingerprint, c.label, chunk_tokens, c.codec)
-                st.put_context(ctx, kv, levels=[c.level])
-                size = sum(i.sizes[c.level] for i in st.plan(ctx))
-                staged.append((c.label, c, st, size))
+            staged = stage_methods(bench, lm.fingerprint, ctx, kv, codecs, chunk_tokens, include_recompute, adaptive)
+            costs = None
+            if adaptive:
+                ladder = next(m.codec for m in staged if m.kind == "adaptive")
+                costs = adaptive_costs(model, ladder, kv, ctx, chunk_tokens, latency_s)
             for gbps in bandwidths_gbps:
                 bench.set_bandwidth(gbps)
-                for key, v, st, size in staged:
-                    runs = []
-                    for _ in range(max(1, recompute_repeats if v is None else repeats)):
-                        if v is None:
-                            runs.append(time_recompute(model, bench, st, ctx, tail))
-                        else:
-                            runs.append(time_kv_method(model, bench, st, v, ctx, tail))
+                estimator = ThroughputEstimator()  # one per link, as the engine keeps it
+                for m in staged:
+                    if m.kind == "adaptive":  # untimed: the estimator has seen this link once, as a server's has
+                        time_method(model, bench, m, ctx, tail, costs, estimator, kv.num_values // kv.num_tokens)
+                    runs = [
+                        time_method(model, bench, m, ctx, tail, costs, estimator, kv.num_values // kv.num_tokens)
+                        for _ in range(max(1, recompute_repeats if m.kind == "recompute" else repeats))
+                    ]
                     r = min(runs, key=lambda r: r["ttft_s"])
-                    row = {
-                        "method": v.name if v else "recompute",
-                        "level": v.row_level if v else None,
-                        "bandwidth_gbps": gbps,
-                        "ttft_s": r["ttft_s"],
-                        "size_bytes": size,
-                    }
-                    row.update({k: r[k] for k in BREAKDOWN})
+                    row = {"method": m.method, "level": m.level, "bandwidth_gbps": gbps, "ttft_s": r["ttft_s"]}
+                    row["size_bytes"] = r.get("fetched_bytes", m.size)
+                    row.update({k: r[k] for k in (*BREAKDOWN, "formats") if k in r})
                     rows.append(row)
-                    log.info("%g Gbit/s %-22s TTFT %.3fs", gbps, key, r["ttft_s"])
+                    log.info("%g Gbit/s %-22s TTFT %.3fs", gbps, m.label, r["ttft_s"])
         finally:
             bench.close()
     return {
@@ -233,3 +304,68 @@ def run_ttft(
         "dtype": str(model.dtype).replace("torch.", ""),
         "rows": rows,
     }
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One method's stored context: ``kind`` recompute (the token ids), kv (one codec at one level) or adaptive."""
+
+    kind: str
+    method: str
+    level: int | None
+    label: str
+    store: ContextStore
+    size: int  # stored bytes the method reads (adaptive: the smallest rung's)
+    codec: Any = None  # the variant (kv) or the ladder (adaptive)
+
+
+def stage_methods(
+    bench: _Bench,
+    fingerprint: str,
+    ctx: Sequence[int],
+    kv: KVCache,
+    codecs: Sequence[Variant],
+    chunk_tokens: int,
+    include_recompute: bool,
+    adaptive: bool,
+) -> list[Staged]:
+    """Store ``ctx`` for every method before any clock runs (encoding is offline, at ingest)."""
+    staged: list[Staged] = []
+    if include_recompute:  # the token ids as one payload
+        st = bench.store(fingerprint, "recompute", len(ctx))
+        raw = token_bytes(ctx)
+        ref = st.refs(ctx)[0]
+        bench.backend.put_chunks([ChunkWrite(ref.key, raw, {0: raw}, start=0, ends_context=True)])
+        staged.append(Staged("recompute", "recompute", None, "recompute", st, len(raw)))
+    for c in codecs:
+        st = bench.store(fingerprint, c.label, chunk_tokens, c.codec)
+        st.put_context(ctx, kv, levels=[c.level])
+        size = sum(i.sizes[c.level] for i in st.plan(ctx))
+        staged.append(Staged("kv", c.name, c.row_level, c.label, st, size, c))
+    if adaptive:
+        ladder = adaptive_ladder(codecs)
+        st = bench.store(fingerprint, "adaptive", chunk_tokens, ladder)
+        st.put_context(ctx, kv, levels=ladder.levels)
+        size = sum(min(i.sizes.values()) for i in st.plan(ctx))
+        staged.append(Staged("adaptive", "adaptive", None, "adaptive", st, size, ladder))
+    return staged
+
+
+def time_method(
+    model,
+    bench: _Bench,
+    m: Staged,
+    ctx: Sequence[int],
+    tail: Sequence[int],
+    costs: CostModel | None,
+    estimator: ThroughputEstimator,
+    values_per_token: int,
+) -> dict:
+    """One request of a staged method."""
+    if m.kind == "recompute":
+        return time_recompute(model, bench, m.store, ctx, tail)
+    if m.kind == "adaptive":
+        if costs is None:
+            raise ConfigError("the adaptive method needs its cost model")
+        return time_adaptive(model, bench, m.store, m.codec, costs, estimator, ctx, tail, values_per_token)
+    return time_kv_method(model, bench, m.store, m.codec, ctx, tail)

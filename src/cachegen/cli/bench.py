@@ -101,6 +101,7 @@ def cmd_ttft(args: argparse.Namespace) -> int:
         recompute_repeats=args.recompute_repeats,
         text=args.text,
         plot=args.plot,
+        adaptive=not args.no_adaptive,
     )
     return _report(res, TTFT_COLS, args)
 
@@ -122,6 +123,7 @@ def cmd_all(args: argparse.Namespace) -> int:
         stream=not args.skip_stream,
         serve=not args.skip_serve,
         vllm=not args.skip_vllm,
+        scale=not args.skip_scale,
         ttft_dtype=args.ttft_dtype,
     )
     return 0
@@ -249,6 +251,11 @@ def register(subparsers, argv: Sequence[str] | None = None) -> argparse.Argument
     p.add_argument(
         "--recompute-repeats", type=checks.positive_int, default=1, help="runs per point of recompute (default 1)"
     )
+    p.add_argument(
+        "--no-adaptive",
+        action="store_true",
+        help="leave out the adaptive method (per chunk the format or text that ends the load soonest)",
+    )
     _text(p)
     p.set_defaults(func=cmd_ttft)
 
@@ -275,14 +282,16 @@ def register(subparsers, argv: Sequence[str] | None = None) -> argparse.Argument
     p.add_argument("--skip-codec", action="store_true", help="leave out `bench codec`")
     p.add_argument("--skip-stream", action="store_true", help="leave out `bench stream`")
     p.add_argument("--skip-serve", action="store_true", help="leave out `bench serve`")
+    p.add_argument("--skip-scale", action="store_true", help="leave out `bench scale`")
     p.add_argument(
         "--skip-vllm", action="store_true", help="leave out `bench vllm` (skipped anyway without .venv-vllm)"
     )
     p.add_argument(
         "--ttft-dtype",
-        default="bfloat16",
-        choices=("float32", "bfloat16"),
-        help="model dtype for time-to-first-token runs (default bf16, the serving dtype)",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="the serving dtype of the time-to-first-token, stream, scale and serve runs (default auto: "
+        "bfloat16 on a CPU with AVX512-BF16 or AMX, else float32)",
     )
     p.set_defaults(func=cmd_all)
     return bench

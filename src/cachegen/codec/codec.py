@@ -250,6 +250,25 @@ class Codec:
         layers = [l for _, l in self.decode_layers(data, key=key)]
         return KVCache(layers, start=h.start, meta={"model_fingerprint": h.model_fingerprint})
 
+    def decode_into(self, data: bytes, out: KVCache, *, key: str | None = None) -> KVCache:
+        """Decode the chunk into ``out`` (a view of its range in a preallocated cache: a
+        :class:`~cachegen.codec.protocol.DecodesInto`), one layer at a time as each is decoded,
+        so no whole-chunk cache is built. The values are :meth:`decode`'s, cast to ``out``'s
+        dtype. The header is checked against ``out`` (range, layer kinds and sizes) before
+        anything is decoded."""
+        h = parse_header(data)
+        if h.start != out.start or h.num_tokens != out.num_tokens:
+            raise CorruptChunk(
+                f"chunk holds tokens [{h.start}, {h.start + h.num_tokens}), expected [{out.start}, {out.end})"
+            )
+        want = [(l.kind, l.window, int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in out.layers]
+        if [(l.kind, l.window, l.heads, l.k_dim, l.v_dim) for l in h.layers] != want:
+            raise CorruptChunk("chunk layout differs from the cache it is decoded into")
+        for li, layer in self.decode_layers(data, key=key):
+            out.layers[li].k.copy_(layer.k)
+            out.layers[li].v.copy_(layer.v)
+        return out
+
     def close(self) -> None:
         if self._pool:
             self._pool.shutdown()

@@ -3,12 +3,18 @@
 The store encodes a context's chunks through it, the loader decodes them,
 and the benchmarks compare codecs through it: :class:`cachegen.codec.Codec`,
 the baselines in ``cachegen.bench.baselines`` and the test fakes all satisfy it.
+
+A codec may also decode straight into a slice of a preallocated cache
+(:class:`DecodesInto`); :func:`decode_into` uses that where a codec has it and
+falls back to ``decode`` plus a copy where it does not, so every codec works with
+the loader's preallocated cache.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from cachegen.errors import CorruptChunk
 from cachegen.kv import KVCache
 
 
@@ -29,3 +35,33 @@ class ChunkCodec(Protocol):
     def encode(self, kv: KVCache, level: int, *, key: str | None = None) -> bytes: ...
 
     def decode(self, data: bytes, *, key: str | None = None) -> KVCache: ...
+
+
+@runtime_checkable
+class DecodesInto(Protocol):
+    """A codec that writes a decoded chunk into ``out``: a view of the chunk's token range in a
+    preallocated cache (:meth:`cachegen.kv.KVCache.allocate`, then ``.slice``), cast to its dtype.
+
+    It raises :class:`~cachegen.errors.CorruptChunk` when the chunk's token range or layout is
+    not ``out``'s. A chunk that fails mid-way may leave ``out`` partly written: the caller must
+    not use that range (the loader recomputes it)."""
+
+    def decode_into(self, data: bytes, out: KVCache, *, key: str | None = None) -> KVCache: ...
+
+
+def check_fits(kv: KVCache, out: KVCache, what: str = "chunk") -> None:
+    """:class:`CorruptChunk` unless ``kv`` covers exactly ``out``'s token range with its layout."""
+    if kv.start != out.start or kv.num_tokens != out.num_tokens:
+        raise CorruptChunk(f"{what} decoded to tokens [{kv.start}, {kv.end}), expected [{out.start}, {out.end})")
+    if not out.same_layout(kv):
+        raise CorruptChunk(f"{what} has a different layout from the cache it is written into")
+
+
+def decode_into(codec: ChunkCodec, data: bytes, out: KVCache, *, key: str | None = None) -> KVCache:
+    """Decode ``data`` into ``out`` with ``codec``'s own ``decode_into``, else ``decode`` and a copy."""
+    if isinstance(codec, DecodesInto):
+        return codec.decode_into(data, out, key=key)
+    kv = codec.decode(data, key=key)
+    check_fits(kv, out)
+    out.write(kv)
+    return out

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from cachegen import paths
 from cachegen.errors import ConfigError
 from cachegen.kv import KVCache
@@ -34,7 +36,8 @@ class CostModel:
     recompute_s_per_token: float = 1.0e-3
     recompute_s_per_token_ctx: float = 2.0e-7
     fetch_latency_s: float = 0.001  # per request, on top of bytes / bandwidth
-    stitch_bytes_per_s: float = 1.5e9  # joining the decoded chunks into one cache: a memory copy
+    # copying decoded values into the cache (a codec without decode_into: its whole chunk; KVCache.concat)
+    stitch_bytes_per_s: float = 1.5e9
     source: str = "defaults"
 
     # -- predictions ---------------------------------------------------------
@@ -50,7 +53,12 @@ class CostModel:
         )
 
     def stitch_s(self, num_values: int, itemsize: int) -> float:
-        """Joining ``num_values`` decoded values into one cache (after the last chunk's decode)."""
+        """Copying ``num_values`` decoded values in memory (joining chunks with :meth:`KVCache.concat`).
+
+        The loader decodes each chunk into its slice of a preallocated cache (inside the chunk's
+        decode, which :func:`calibrate_decode` times that way), so no join follows the last decode;
+        its plan still keeps this much back from the deadline, as a margin, because the replay
+        (``bench/replay.py``) still adds it to each load."""
         return num_values * itemsize / self.stitch_bytes_per_s
 
     def fetch_s(self, nbytes: int, gbps: float) -> float:
@@ -106,15 +114,25 @@ STITCH_HEADROOM = 1.0
 
 
 def calibrate_decode(
-    codec, sample: KVCache, levels: Sequence[int], repeats: int = 2, base: CostModel | None = None
+    codec,
+    sample: KVCache,
+    levels: Sequence[int],
+    repeats: int = 2,
+    base: CostModel | None = None,
+    dtype: torch.dtype | None = None,
 ) -> CostModel:
-    """Measure decode seconds per million values for each level on ``sample``."""
+    """Measure decode seconds per million values for each level on ``sample``, as the loader
+    decodes: into a preallocated cache of ``dtype`` (default: the sample's; the loader's
+    ``LoaderOptions.dtype``), the copy included."""
+    from cachegen.codec.protocol import decode_into  # here: importing the stream package loads no codec
+
     cm = base or CostModel()
     mv = sample.num_values / 1e6
+    slot = KVCache.allocate(sample, sample.num_tokens, start=sample.start, dtype=dtype)
     for level in levels:
         blob = codec.encode(sample, level)
-        codec.decode(blob)  # warm-up (JIT, caches)
-        t = best_time(partial(codec.decode, blob), repeats)
+        decode_into(codec, blob, slot)  # warm-up (JIT, caches)
+        t = best_time(partial(decode_into, codec, blob, slot), repeats)
         cm.decode_s_per_mvalue[int(level)] = max(t - cm.decode_fixed_s, 0.0) / mv * DECODE_HEADROOM
     # joining chunks: a copy of the whole context, slower in the loader than alone (cold caches,
     # allocation); the slowest of a few joins of 8 chunks, divided by STITCH_HEADROOM (measured in

@@ -1,11 +1,13 @@
-"""The streaming loader: fetch, decode and stitch a stored prefix before a deadline.
+"""The streaming loader: fetch and decode a stored prefix into one cache before a deadline.
 
 Two stages form a pipeline (scheduled by a :class:`~cachegen.stream.pipeline.Runner`:
 threads in real time, events in virtual time). The *fetch* stage asks the store
 for the plan, decides each chunk's level (or text) with the planner, fetches it
 through the link and measures throughput; the *compute* stage decodes (the numba
 decoder releases the GIL) or recomputes chunks in order, so chunk ``i + 1`` is on
-the wire while chunk ``i`` decodes. The stages exchange typed messages
+the wire while chunk ``i`` decodes. Each chunk is decoded (or recomputed) straight into
+its range of the load's cache, allocated once for the whole prefix, so nothing is joined
+after the last decode. The stages exchange typed messages
 (:class:`Planned`, :class:`Fetched`, :class:`TextChosen`, :class:`FetchFailed`, ...).
 
 Faults: any exception from the plan, a fetch or a decode (a store timeout or
@@ -40,6 +42,7 @@ from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import DirectLink
 from cachegen.stream.pipeline import Call, ProducerEnded, Receive, Runner, Send, Stage, StopProducer, ThreadedRunner
 from cachegen.stream.planner import (
+    FASTEST,
     RECENCY_BOOST,
     RISK_QUANTILE,
     Choice,
@@ -58,7 +61,7 @@ log = logging.getLogger(__name__)
 
 ADAPTIVE = "adaptive"
 RULE = "rule"
-Policy = str | int  # ADAPTIVE, RULE, TEXT, or a fixed level
+Policy = str | int  # ADAPTIVE, RULE, FASTEST, TEXT, or a fixed level
 
 MIN_STORE_TIMEOUT_S = 0.001  # a store call is never given less (a timeout <= 0 is not a timeout)
 
@@ -67,9 +70,11 @@ MIN_STORE_TIMEOUT_S = 0.001  # a store call is never given less (a timeout <= 0 
 class LoaderOptions:
     """How a :class:`StreamingLoader` plans.
 
-    ``policy``: ``"adaptive"``, ``"rule"`` (CacheGen's equal-share rule), a fixed level
-    (chunks not stored at it are recomputed), or ``"text"``. ``slo_s``: the load's deadline
-    (None: none, every chunk at its best level). ``reserve_s``: time kept back from the
+    ``policy``: ``"adaptive"``, ``"rule"`` (CacheGen's equal-share rule), ``"fastest"``
+    (each chunk's option that ends the load soonest, whatever its quality: minimal time to
+    first token; :func:`~cachegen.stream.planner.choose_fastest`), a fixed level (chunks not
+    stored at it are recomputed), or ``"text"``. ``slo_s``: the load's deadline (None: none;
+    the adaptive and rule policies then take every chunk at its best level). ``reserve_s``: time kept back from the
     deadline for what follows the load (the suffix prefill). ``levels``: the levels it may
     use (None: every stored one). ``prefetch``: fetched payloads that may wait for the
     compute stage; a deep queue lets fast fetches run ahead so that a later slow one is
@@ -81,7 +86,7 @@ class LoaderOptions:
     ``recency_boost``: the adaptive plan gives the last chunk (next to the prompt's
     uncached rest) this many levels better than the others and fetches it first
     (:func:`~cachegen.stream.planner.with_recency_boost`); 0 = an even plan, in order.
-    ``dtype``: of the stitched cache (None: the decoded chunks'). ``values_per_token``: K
+    ``dtype``: of the load's cache (None: the first chunk's). ``values_per_token``: K
     and V values per token over all layers, for the decode-cost model (None: the plan
     counts only the fixed part of each decode)."""
 
@@ -97,8 +102,8 @@ class LoaderOptions:
     values_per_token: int | None = None
 
     def __post_init__(self) -> None:
-        if not (self.policy in (ADAPTIVE, RULE, TEXT) or (isinstance(self.policy, int) and self.policy >= 0)):
-            raise ConfigError(f"unknown policy {self.policy!r}: use adaptive, rule, text or a level")
+        if not (self.policy in (ADAPTIVE, RULE, FASTEST, TEXT) or (isinstance(self.policy, int) and self.policy >= 0)):
+            raise ConfigError(f"unknown policy {self.policy!r}: use adaptive, rule, fastest, text or a level")
         if self.slo_s is not None and not self.slo_s > 0:
             raise ConfigError(f"slo_s must be positive (or None for no deadline), not {self.slo_s}")
         if self.reserve_s < 0:
@@ -145,11 +150,11 @@ class LoadResult:
     decisions: list[ChunkDecision]
     slo_s: float | None
     plan_s: float = 0.0  # store.plan round trip
-    load_s: float = 0.0  # from load() call to the stitched KV (what TTFT adds before the suffix prefill)
+    load_s: float = 0.0  # from load() call to the whole KV (what TTFT adds before the suffix prefill)
     fetch_s: float = 0.0  # sum over chunks
     decode_s: float = 0.0
     recompute_s: float = 0.0
-    stitch_s: float = 0.0
+    stitch_s: float = 0.0  # after the last decode: 0 (chunks are decoded into the load's cache)
     faults: list[str] = field(default_factory=list)
 
     @property
@@ -195,7 +200,7 @@ class LoadPlan:
     chunks: list[PlanChunk]
     order: list[int]  # positions in fetch order
     early: int | None  # the position fetched out of order (the last chunk), or None
-    deadline: float  # clock time by which the last decode must end (the stitch comes after)
+    deadline: float  # clock time by which the last decode must end
 
 
 @dataclass(frozen=True)
@@ -312,6 +317,7 @@ class StreamingLoader:
         self._plan_timeout = _accepts(store.plan, "timeout")
         self._get_timeout = _accepts(store.get, "timeout")
         self._decode_key = _accepts(codec.decode, "key")
+        self._decode_into = callable(getattr(codec, "decode_into", None))  # a DecodesInto
 
     def load(self, tokens: Sequence[int], *, slo_s: float | None = None, t0: float | None = None) -> LoadResult:
         """The KV of the longest cached prefix of ``tokens`` (``kv=None`` when nothing is cached).
@@ -351,13 +357,20 @@ class StreamingLoader:
             raise CorruptChunk(f"chunk {ref.index} has a different layout from the chunks before it")
         return kv
 
-    def stitch(self, parts: list[KVCache]) -> KVCache:
-        dtype = self.options.dtype or parts[0].dtype
-        return KVCache.concat([p if p.dtype == dtype else p.to(dtype) for p in parts])
+    def decode_into(self, data: bytes, ref: ChunkRef, slot: KVCache) -> None:
+        """Decode a chunk fetched for ``ref`` into ``slot``, its range of the load's cache: with the
+        codec's own ``decode_into`` (:class:`~cachegen.codec.protocol.DecodesInto`: no chunk-sized
+        cache is built), else :meth:`decode` and a copy. A mismatch is :class:`CorruptChunk`; a
+        failure may leave ``slot`` partly written (the load then recomputes it)."""
+        if self._decode_into:
+            if slot.start != ref.start or slot.num_tokens != ref.end - ref.start:
+                raise LoaderError(f"chunk {ref.index}: slot [{slot.start}, {slot.end}) is not its range")
+            self.codec.decode_into(data, slot, key=ref.key)  # type: ignore[attr-defined]  # checked in __init__
+            return
+        slot.write(self.decode(data, ref, slot))
 
-    def recompute_after(self, parts: list[KVCache], token_ids: list[int]) -> KVCache:
-        """The KV of ``token_ids`` after the stitched ``parts`` (from text)."""
-        prefix = self.stitch(parts) if parts else None
+    def recompute_after(self, prefix: KVCache | None, token_ids: list[int]) -> KVCache:
+        """The KV of ``token_ids`` after ``prefix`` (from text)."""
         kv = self.recompute(prefix, list(token_ids))
         start = prefix.end if prefix is not None else 0
         if kv.start != start or kv.num_tokens != len(token_ids):
@@ -367,13 +380,45 @@ class StreamingLoader:
         return kv
 
 
+class _Cache:
+    """The load's KV cache: allocated once for every planned token, when the first chunk is placed
+    (its layout; ``dtype``, else its dtype); each chunk's decode or recompute writes its range.
+
+    Why: joining the decoded chunks at the end was a copy of the whole context after the last
+    decode (time the plan had to keep back from the deadline) and twice its memory at the peak."""
+
+    def __init__(self, num_tokens: int, dtype: torch.dtype | None):
+        self.num_tokens, self.dtype = num_tokens, dtype
+        self.kv: KVCache | None = None
+
+    def place(self, part: KVCache) -> None:
+        if self.kv is None:
+            self.kv = KVCache.allocate(part, self.num_tokens, dtype=self.dtype or part.dtype)
+        self.kv.write(part)
+
+    def prefix(self, end: int) -> KVCache | None:
+        """Tokens ``[0, end)`` of the cache (a view), None when ``end`` is 0."""
+        if end == 0:
+            return None
+        if self.kv is None:
+            raise LoaderError(f"no chunk before token {end} is in the cache")
+        return self.kv.slice(0, end)
+
+    def decode(self, loader: StreamingLoader, data: bytes, ref: ChunkRef) -> None:
+        """Decode a chunk into its range (the first one allocates the cache)."""
+        if self.kv is None:
+            self.place(loader.decode(data, ref, None))
+        else:
+            loader.decode_into(data, ref, self.kv.slice(ref.start, ref.end))
+
+
 class _Load:
     """One call of :meth:`StreamingLoader.load`: its deadlines, its compute book and its two stages."""
 
     def __init__(self, loader: StreamingLoader, tokens: list[int], slo: float | None, t0: float):
         self.l, self.o = loader, loader.options
         self.tokens, self.slo, self.t0 = tokens, slo, t0
-        # the load (stitch included) must end by ``limit``; no store call is waited for past it
+        # the load must end by ``limit``; no store call is waited for past it
         self.limit = t0 + (slo - self.o.reserve_s) if slo is not None else math.inf
         self.cpu = _CpuBook(loader.clock, t0)
 
@@ -399,7 +444,9 @@ class _Load:
         # the last chunk first; second when the estimator is cold: the first fetch is then a probe
         # at the smallest level, which belongs on a chunk that matters little
         order, early = fetch_order(chunks, self.o.policy == ADAPTIVE, not self.l.estimator.known)
-        # the stitch after the last decode is part of the load: keep its time back too
+        # Chunks are decoded into the load's cache, so nothing is left after the last decode; the
+        # plan still keeps the old join's time back (``CostModel.stitch_s``) because the replay
+        # (bench/replay.py) still adds it to every load: drop both together.
         itemsize = self.o.dtype.itemsize if self.o.dtype is not None else 2
         stitch = self.l.costs.stitch_s(sum(c.num_values for c in chunks), itemsize)
         return LoadPlan(infos, chunks, order, early, self.limit - stitch)
@@ -497,7 +544,8 @@ class _Load:
             return res
         decisions = [ChunkDecision(c.index, c.start, c.start + c.num_tokens, TEXT) for c in chunks]
         res.decisions = decisions
-        got: dict[int, KVCache] = {}
+        cache = _Cache(chunks[-1].start + chunks[-1].num_tokens, self.o.dtype)
+        got: set[int] = set()  # positions whose range of the cache holds their KV
         failed: set[int] = set()
         for _ in range(n):
             msg = yield Receive(self.limit)
@@ -509,8 +557,13 @@ class _Load:
                 self.cpu.started(self.predicted(chunks[msg.pos], TEXT))
                 d.decode_start = self.now()
                 ref = plan.infos[msg.pos].ref
-                parts = [got[j] for j in range(msg.pos)]  # text comes in order, the early chunk last
-                got[msg.pos] = yield Call(partial(self.l.recompute_after, parts, self.tokens[ref.start : ref.end]))
+                if any(j not in got for j in range(msg.pos)):  # text comes in order, the early chunk last
+                    raise LoaderError(f"chunk {msg.pos} is to be recomputed before the chunks ahead of it")
+                kv = yield Call(
+                    partial(self.l.recompute_after, cache.prefix(ref.start), self.tokens[ref.start : ref.end])
+                )
+                cache.place(kv)
+                got.add(msg.pos)
                 d.decode_end = self.now()
                 d.decode_s = d.decode_end - d.decode_start
                 continue
@@ -519,10 +572,9 @@ class _Load:
                 d.fetch_start, d.fetch_end, d.fetch_s = msg.fetch_start, msg.fetch_end, msg.fetch_end - msg.fetch_start
                 self.cpu.started(self.predicted(chunks[msg.pos], msg.level))
                 d.decode_start = self.now()
-                like = next(iter(got.values()), None)
                 ref = plan.infos[msg.pos].ref
                 try:
-                    got[msg.pos] = yield Call(partial(self.l.decode, msg.data, ref, like))
+                    yield Call(partial(cache.decode, self.l, msg.data, ref))
                     fault = None
                 except Exception as e:  # anything a decode raises means: this chunk is not usable
                     fault = _describe(f"chunk {msg.pos} level {msg.level}", e)
@@ -530,6 +582,7 @@ class _Load:
                 d.decode_end = self.now()
                 d.decode_s = d.decode_end - d.decode_start
                 if fault is None:
+                    got.add(msg.pos)
                     continue
                 failed.add(msg.pos)
                 self.fault(res, fault)
@@ -551,22 +604,19 @@ class _Load:
             break
         yield StopProducer()  # nothing fetched or decoded after a fault
         fault_at = min((j for j in range(n) if j not in got), default=None)
-        parts = [got[j] for j in range(fault_at if fault_at is not None else n)]
-        if fault_at is not None:
+        if fault_at is not None:  # every range from it on is rewritten: a failed chunk's partial write is never used
             a, b = chunks[fault_at].start, chunks[-1].start + chunks[-1].num_tokens
             t = self.now()
-            rest = yield Call(partial(self.l.recompute_after, parts, self.tokens[a:b]))
+            rest = yield Call(partial(self.l.recompute_after, cache.prefix(a), self.tokens[a:b]))
+            cache.place(rest)
             dt = self.now() - t
-            parts.append(rest)
             for k in range(fault_at, n):
                 d = decisions[k]
                 d.choice, d.bytes = TEXT, 0
                 d.reason = "fault" if k in failed else "after fault"
                 d.decode_start, d.decode_end, d.decode_s = t, t + dt, dt * chunks[k].num_tokens / (b - a)
-        t = self.now()
-        res.kv = yield Call(partial(self.l.stitch, parts))
-        res.stitch_s = self.now() - t
-        res.cached_tokens = res.kv.end
+        res.kv = cache.kv
+        res.cached_tokens = res.kv.end if res.kv is not None else 0
         res.fetch_s = sum(d.fetch_s for d in decisions)
         res.decode_s = sum(d.decode_s for d in decisions if d.choice != TEXT)
         res.recompute_s = sum(d.decode_s for d in decisions if d.choice == TEXT)

@@ -18,6 +18,7 @@ whenever it finishes the chunk sooner than fetching the chosen level.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ Choice = int | str  # a level, or TEXT
 # by default). On the uniform 0.1-10 Gbps random trace with an 8-chunk prefetch queue it did not beat
 # planning at the estimated rate (docs/streaming.md), so the loader does not use it unless told.
 RISK_QUANTILE = 0.95
+FASTEST = "fastest"  # the policy that minimizes the load's time (see choose_fastest)
+FASTEST_HORIZON = 24  # chunks the fastest policy looks ahead (see choose_fastest)
 RECENCY_BOOST = 2  # levels better for the last chunk of a load (see with_recency_boost)
 
 FUTURES = 256  # futures per decision (~1 ms for 16 chunks and 7 levels)
@@ -299,6 +302,75 @@ def choose_adaptive(
     return min(fastest, key=lambda p: (p.total_s, p.finish_s))
 
 
+def useful_options(chunk: PlanChunk, costs: CostModel, allowed: Sequence[int] | None = None) -> list[Choice]:
+    """:func:`options` less the stored levels that another one beats on both bytes and decode
+    time (they can never end a load sooner): the few that matter to :func:`choose_fastest`."""
+    lv = options(chunk, allowed, text=False)
+    cost = {o: (chunk.sizes[int(o)], costs.decode_s(int(o), chunk.num_values)) for o in lv}
+    keep = [
+        o
+        for o in lv
+        if not any(cost[p][0] <= cost[o][0] and cost[p][1] <= cost[o][1] and cost[p] != cost[o] for p in lv if p != o)
+    ]
+    return [*keep, TEXT]
+
+
+def _soonest(
+    net: float, cpu: float, chunk: PlanChunk, choices: Sequence[Choice], gbps: float, costs: CostModel
+) -> tuple[float, float]:
+    """(net, cpu) after ``chunk`` at whichever of ``choices`` ends its compute soonest."""
+    return min((_step(net, cpu, chunk, c, gbps, costs) for c in choices), key=lambda nc: (nc[1], nc[0]))
+
+
+def choose_fastest(
+    remaining: Sequence[PlanChunk],
+    gbps: float,
+    costs: CostModel,
+    state: PipelineState,
+    allowed: Sequence[int] | None = None,
+    tail_gbps: float | None = None,
+    horizon: int = FASTEST_HORIZON,
+) -> Prediction:
+    """The option for ``remaining[0]`` that ends the load soonest (the ``"fastest"`` policy: the
+    least time to first token, with or without a deadline).
+
+    Each of this chunk's :func:`useful_options` is followed by the next ``horizon`` chunks in
+    two kinds of continuation: each chunk greedily at the option that ends its compute soonest,
+    and every chunk at one format; the earliest predicted end wins, ties to the better (earlier)
+    option. Why look ahead: a big, cheap-to-decode format taken while the link is idle delays
+    every later fetch, and a small, slow-to-decode one taken while the CPU is busy delays every
+    later decode; what the user waits for is the end of the last chunk. The horizon bounds the
+    work per decision (a 32K-token context has 128 chunks) where a few dozen chunks already
+    show which stage a choice holds up."""
+    if not remaining:
+        raise ValueError("no chunk to plan")
+    tg = gbps if tail_gbps is None else tail_gbps
+    window = remaining[: horizon + 1]
+    opts = [useful_options(ch, costs, allowed) for ch in window]
+    formats = [o for o in opts[0] if o != TEXT]
+    best: Prediction | None = None
+    for o in opts[0]:
+        net0, cpu0 = _step(state.net_busy_s, state.cpu_busy_s, window[0], o, gbps, costs)
+        ends = []
+        net, cpu = net0, cpu0
+        for ch, chs in zip(window[1:], opts[1:]):  # greedy
+            net, cpu = _soonest(net, cpu, ch, chs, tg, costs)
+        ends.append(cpu)
+        for f in formats:  # one format for the rest (a chunk without it: its greedy option)
+            net, cpu = net0, cpu0
+            for ch, chs in zip(window[1:], opts[1:]):
+                if f in ch.sizes:
+                    net, cpu = _step(net, cpu, ch, f, tg, costs)
+                else:
+                    net, cpu = _soonest(net, cpu, ch, chs, tg, costs)
+            ends.append(cpu)
+        total = min(ends)
+        if best is None or total < best.total_s:
+            best = Prediction(o, cpu0, total, total <= state.time_left_s)
+    assert best is not None  # useful_options() always holds TEXT
+    return best
+
+
 def choose_rule(
     chunk: PlanChunk, share_s: float, gbps: float, costs: CostModel, allowed: Sequence[int] | None = None
 ) -> Choice:
@@ -316,6 +388,19 @@ def smallest_level(chunk: PlanChunk, allowed: Sequence[int] | None = None) -> in
     """The stored level with the fewest bytes (the probe)."""
     lv = [int(l) for l in options(chunk, allowed, text=False)]
     return min(lv, key=lambda l: (chunk.sizes[l], -l)) if lv else None
+
+
+def _cold_start(
+    ch: PlanChunk, cpu_busy_s: float, est_gbps: float, costs: CostModel, allowed: Sequence[int] | None
+) -> Choice:
+    """A cold estimator's first choice: the probe (the smallest stored level, which measures the
+    link cheaply), unless recomputing this chunk (the first of the context) ends it sooner."""
+    probe = smallest_level(ch, allowed)
+    if probe is None:
+        return TEXT
+    _n, c = _step(0.0, cpu_busy_s, ch, probe, est_gbps, costs)
+    _, ct = _step(0.0, cpu_busy_s, ch, TEXT, est_gbps, costs)
+    return TEXT if ct < c and ch.start == 0 else probe
 
 
 def decide(
@@ -338,8 +423,9 @@ def decide(
 ) -> Choice:
     """The loader's per-chunk decision for ``remaining[0]`` (shared by the loader and :mod:`.sim`).
 
-    ``policy``: ``"adaptive"``, ``"rule"``, a fixed level or ``"text"``. ``time_left_s``
-    None = no deadline (best level). ``known`` False (a cold estimator: no sample, no
+    ``policy``: ``"adaptive"``, ``"rule"``, ``"fastest"`` (:func:`choose_fastest`: the
+    option that ends the load soonest, deadline or not), a fixed level or ``"text"``.
+    ``time_left_s`` None = no deadline (the adaptive and rule policies: the best level). ``known`` False (a cold estimator: no sample, no
     prior): the first chunk takes the smallest stored level, a safe probe. The rule
     probes the same way after a text chunk, which gave it no new sample (otherwise
     it would stay on text for the rest of the load: the *stranded* rule).
@@ -353,6 +439,12 @@ def decide(
         return TEXT
     if isinstance(policy, int):
         return policy if policy in ch.sizes else TEXT
+    if policy == FASTEST:
+        if not known:
+            return _cold_start(ch, cpu_busy_s, est_gbps, costs, allowed)
+        left = math.inf if time_left_s is None else time_left_s
+        st = PipelineState(time_left_s=left, cpu_busy_s=cpu_busy_s)
+        return choose_fastest(remaining, est_gbps, costs, st, allowed, tail_gbps=tail_gbps).choice
     if time_left_s is None:
         return min(options(ch, allowed, text=False), default=TEXT)
     probe = smallest_level(ch, allowed)
@@ -363,10 +455,8 @@ def decide(
             return probe
         return choose_rule(ch, share_s if share_s is not None else 0.0, last_gbps, costs, allowed)
     st = PipelineState(time_left_s=time_left_s, cpu_busy_s=cpu_busy_s)
-    if not known:  # cold start: the probe, unless recomputing this chunk ends it sooner
-        _n, c = _step(0.0, cpu_busy_s, ch, probe, est_gbps, costs)
-        _, ct = _step(0.0, cpu_busy_s, ch, TEXT, est_gbps, costs)
-        return TEXT if ct < c and ch.start == 0 else probe
+    if not known:
+        return _cold_start(ch, cpu_busy_s, est_gbps, costs, allowed)
     futures = None
     if history_s_per_bit is not None and len(history_s_per_bit) >= MIN_HISTORY and len(remaining) > 1:
         rng = np.random.default_rng(ch.index)
