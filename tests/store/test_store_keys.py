@@ -26,8 +26,9 @@ def test_spans_keep_the_partial_last_chunk():
     assert chunk_spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert chunk_spans(8, 4) == [(0, 4), (4, 8)]
     assert chunk_spans(0, 4) == []
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"^chunk_tokens must be positive$"):
         chunk_spans(10, 0)
+    assert [(r.start, r.end) for r in chunk_keys(list(range(300)), NS, 100)] == [(0, 100), (100, 200), (200, 300)]
 
 
 def test_golden_key():
@@ -38,7 +39,8 @@ def test_golden_key():
 
 def test_tokens_are_little_endian_uint32():
     assert token_bytes([1, 256, 0xFFFFFFFF]) == b"\x01\x00\x00\x00\x00\x01\x00\x00\xff\xff\xff\xff"
-    assert tokens_from_bytes(token_bytes([5, 70000])) == [5, 70000]
+    ids = tokens_from_bytes(token_bytes([5, 70000]))
+    assert ids == [5, 70000] and all(type(t) is int for t in ids)
     for bad in ([-1], [1 << 32], [[1, 2]], [1.5]):
         with pytest.raises(ConfigError):
             token_bytes(bad)
@@ -112,8 +114,8 @@ def test_only_chunk_keys_pass_the_check():
     k = "0123456789abcdef" * 4
     assert check_key(k) == k
     assert check_key(chunk_keys([1, 2, 3], NS, 2)[0].key)
-    for bad in (k[:-1], k + "0", k.upper(), k[:-1] + "g", "../" + k[3:], k[:-1] + "/", ""):
-        with pytest.raises(ConfigError):
+    for bad in (k[:-1], k + "0", k.upper(), "X" * 64, k[:-1] + "g", "../" + k[3:], k[:-1] + "/", ""):
+        with pytest.raises(ConfigError, match=r"^not a chunk key: "):
             check_key(bad)
 
 
@@ -123,11 +125,25 @@ def test_empty_and_boundary_token_ids():
     assert token_bytes(np.array([7, 1 << 31], dtype=np.uint64)) == b"\x07\x00\x00\x00\x00\x00\x00\x80"
     assert token_bytes(torch.tensor([3], dtype=torch.int32)) == b"\x03\x00\x00\x00"
     for bad in (np.array([1.0, 2.0]), np.array([True]).astype(np.float16)):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match=r"^token ids must be integers, got float"):
+            token_bytes(bad)
+    with pytest.raises(ConfigError, match=r"^token ids must be one-dimensional, got shape \(1, 2\)$"):
+        token_bytes([[1, 2]])
+    for bad in ([-1], [1 << 32]):
+        with pytest.raises(ConfigError, match=r"^token ids must fit in an unsigned 32-bit integer$"):
             token_bytes(bad)
 
 
-@pytest.mark.parametrize("bad", [("fp", -1, "p"), ("fp", 1.5, "p"), ("fp", 1, ""), ("", 1, "p")])
-def test_a_namespace_needs_a_model_a_version_and_a_profile(bad):
-    with pytest.raises(ConfigError):
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (("fp", -1, "p"), r"^bad codec format version -1$"),
+        (("fp", 1.5, "p"), r"^bad codec format version 1.5$"),
+        (("fp", 1, ""), r"^a namespace needs a model fingerprint and a profile id$"),
+        (("", 1, "p"), r"^a namespace needs a model fingerprint and a profile id$"),
+    ],
+)
+def test_a_namespace_needs_a_model_a_version_and_a_profile(bad, message):
+    with pytest.raises(ConfigError, match=message):
         Namespace(*bad)
+    assert Namespace("fp", 0, "p").root() != Namespace("fp", 1, "p").root()  # version 0 is a version

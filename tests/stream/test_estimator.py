@@ -45,18 +45,38 @@ def test_prior_last_and_known():
 
 @pytest.mark.parametrize("bad", [{"window": 0}, {"prior_gbps": 0.0}, {"prior_gbps": -1.0}])
 def test_bad_parameters_are_refused(bad):
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"^window must be >= 1 and prior_gbps > 0$"):
         ThroughputEstimator(**bad)
+
+
+def test_the_smallest_parameters_work():
+    e = ThroughputEstimator(window=1, prior_gbps=0.5)
+    assert e.window == 1 and e.estimate() == 0.5
+    e.add_gbps(2.0)
+    e.add_gbps(3.0)
+    assert e.samples == [3.0] and e.harmonic_mean() == 3.0
+
+
+def test_the_default_window_is_five_samples_and_add_keeps_history():
+    e = ThroughputEstimator(min_bytes=0)
+    for seconds in (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125):  # 1 Gbit each: 1, 2, 4, 8, 16, 32 Gbit/s
+        e.add(125_000_000, seconds)
+    assert e.samples == pytest.approx([2.0, 4.0, 8.0, 16.0, 32.0], rel=1e-12)
+    assert e.s_per_bit_history() == pytest.approx([1e-9 / g for g in (1, 2, 4, 8, 16, 32)], rel=1e-12, abs=0)
 
 
 def test_the_window_keeps_the_last_samples_and_the_history_more():
     e = fed(1.0, 2.0, 4.0, 8.0, window=3)
     assert e.samples == [2.0, 4.0, 8.0]
     assert e.harmonic_mean() == pytest.approx(hm(2.0, 4.0, 8.0), rel=1e-12)  # 3.4286, the first sample gone
-    assert e.s_per_bit_history() == pytest.approx([1e-9, 0.5e-9, 0.25e-9, 0.125e-9], rel=1e-12)
+    assert e.s_per_bit_history() == pytest.approx([1e-9, 0.5e-9, 0.25e-9, 0.125e-9], rel=1e-12, abs=0)
     long = fed(*([1.0] * 70 + [2.0]))
     h = long.s_per_bit_history()
-    assert len(h) == 64 and h[-1] == pytest.approx(0.5e-9) and h[0] == pytest.approx(1e-9)
+    assert (
+        len(h) == 64
+        and h[-1] == pytest.approx(0.5e-9, rel=1e-12, abs=0)
+        and h[0] == pytest.approx(1e-9, rel=1e-12, abs=0)
+    )
 
 
 def test_estimate_is_the_latest_sample_when_it_is_below_the_mean():
@@ -76,6 +96,9 @@ def test_estimate_is_the_latest_sample_when_it_is_below_the_mean():
         ((4.0, 1.0, 5.0, 4.0, 4.0), hm(4.0, 1.0, 5.0, 4.0, 4.0)),  # a dip long ago
         ((8.0, 8.0, 8.0, 1.0, 8.0), hm(8.0, 8.0, 8.0, 1.0, 8.0)),  # one slow fetch among fast ones: a dip (3.33)
         ((9.0, 0.1, 9.0, 9.0, 9.0, 9.0, 1.0, 1.5), 1.5),  # the window (5) forgets the old 0.1
+        ((100.0, 2.0, 2.0), 2.0),  # three samples are enough to see a step (the mean is 2.97)
+        ((10.0, 1000.0, 1000.0, 9.0, 10.0), hm(10.0, 1000.0, 1000.0, 9.0, 10.0)),  # one slow, then normal: a dip
+        ((100.0, 100.0, 2.0, 2.0, 3.0), hm(100.0, 100.0, 2.0, 2.0, 3.0)),  # as slow as an older one: no step
     ],
 )
 def test_tail_estimate(samples, want):

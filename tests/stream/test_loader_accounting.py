@@ -92,6 +92,33 @@ def test_every_time_in_a_load_with_a_fault_in_virtual_time(setup):
     assert res.fetch_s == ap(0.05) and res.decode_s == ap(0.008) and res.recompute_s == ap(0.074)
     assert res.load_s == ap(0.126) and res.cached_tokens == N_TOKENS
     assert_same(res.kv, fallback(kv, tokens, 4 * CHUNK))
+    # what the benches write and print, field by field
+    assert res.summary() == (
+        "202 tokens in 0.126s (slo None) fetch 0.050s decode 0.008s recompute 0.074s faults 1 | "
+        "0:L0 1:L0 2:L0 3:L0 4:T 5:T 6:T"
+    )
+    j = res.to_json()
+    assert list(j) == [
+        "cached_tokens",
+        "slo_s",
+        "load_s",
+        "plan_s",
+        "fetch_s",
+        "decode_s",
+        "recompute_s",
+        "stitch_s",
+        "faults",
+        "missed",
+        "decisions",
+    ]
+    assert (j["cached_tokens"], j["slo_s"], j["missed"], j["faults"]) == (N_TOKENS, None, False, res.faults)
+    assert [j[k] for k in ("load_s", "plan_s", "fetch_s", "decode_s", "recompute_s")] == ap(
+        [0.126, 0, 0.05, 0.008, 0.074]
+    )
+    assert (
+        j["stitch_s"] == res.stitch_s and j["decisions"][4]["reason"] == "fault" and j["decisions"][0]["bytes"] == size
+    )
+    assert [x["choice"] for x in j["decisions"]] == [0, 0, 0, 0, TEXT, TEXT, TEXT]
 
 
 def test_the_deadline_counts_from_t0(setup):
