@@ -426,3 +426,15 @@ def test_lossy_sections_are_parsed_strictly(profile):
         codec.decode(_section_edit(data, 0, lambda s: s.extend(b"\0")))
     with pytest.raises(CorruptChunk, match=r"section 0: symbol count inconsistent|shorter than its states"):
         codec.decode(_section_edit(data, 0, lambda s: s.__delitem__(slice(8 + ns + 4 * ne, None))))
+
+
+def test_lossless_size_bound_is_exact():
+    """A symbol costs >= 1/8 bit under any table an encoder writes, so a section's streams of ``nw``
+    words (c columns) hold at most ``8 * (16 nw + 64 c + 64) / c`` tokens: 1024 here (c = 2, each
+    stream its 2-word state). One token more is refused from the sizes alone, before decoding."""
+    codec = Codec(None, threads=1)
+    with pytest.raises(CorruptChunk) as at_bound:
+        codec.decode(_lossless_bomb(1024, heads=1, dim=2, freq_top=LOSSLESS_MAX_FREQ))
+    assert "payload size" not in str(at_bound.value)  # within the bound: the streams themselves are refused
+    with pytest.raises(CorruptChunk, match="section 0: symbol count inconsistent with payload size"):
+        codec.decode(_lossless_bomb(1025, heads=1, dim=2, freq_top=LOSSLESS_MAX_FREQ))
