@@ -88,7 +88,7 @@ def ttft(
     recompute_repeats: int = 1,
     text: str = "pydoc-eval",
     plot: str | Path | None = None,
-    adaptive: bool = True,
+    adaptive: bool = False,
 ) -> dict:
     """``bench ttft``: time to first token against bandwidth, per method (``adaptive``: with the
     loader's ``fastest`` policy over a ladder of formats)."""
@@ -306,8 +306,7 @@ def run_all(
         "",
         f"Model in {ttft_dtype}. {tt['context_tokens']} context tokens, link `{tt['link']}`: fetch over the link (pipelined with "
         "decoding), decode, cache injection and the first decoding step (best of 2 runs); recompute = fetch token ids "
-        "+ prefill (1 run); adaptive = the loader's `fastest` policy over raw 16- and 8-bit KV and the project "
-        "codec's levels (its `formats` say what it chose).",
+        "+ prefill (1 run); `cachegen bench ttft` adds the adaptive method (not run here).",
         "",
         table(tt["rows"], TTFT_COLS, markdown=True),
         "",
