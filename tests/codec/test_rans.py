@@ -382,3 +382,25 @@ def test_min_bits_and_the_allocation_bound():
     rans.check_budget(rans.MAX_SYMBOLS, 1, 10**9, free, "x")
     with pytest.raises(CorruptChunk):  # whatever the tables allow, at most MAX_SYMBOLS per call
         rans.check_budget(rans.MAX_SYMBOLS + 1, 1, 10**12, free, "x")
+
+
+def test_models_refuse_what_they_cannot_represent():
+    for freqs, precision in (([], 12), ([[4096]], 12), ([4096], 0), ([4096], 15), ([4097, -1], 12), ([4000], 12)):
+        with pytest.raises(CodecError):
+            rans.Categorical(np.array(freqs, dtype=np.int64), precision)
+    with pytest.raises(CodecError, match="all-zero counts"):
+        rans.quantize_counts(np.zeros(4), 12)
+    with pytest.raises(CodecError, match="do not fit precision 2"):
+        rans.quantize_counts(np.ones(5), 2)
+    with pytest.raises(CodecError, match="at least one model"):
+        rans.Tables.build([])
+    with pytest.raises(CodecError, match="share a precision"):
+        rans.Tables.build([rans.Categorical(np.array([4096]), 12), rans.Categorical(np.array([2048]), 11)])
+    with pytest.raises(CodecError, match="larger than 65536"):
+        rans.Tables.build([rans.Categorical(np.r_[np.ones(4096, np.int64), np.zeros(70000, np.int64)], 12)])
+    m = rans.Categorical(np.array([1024, 3072]), 12)
+    assert m == rans.Categorical(np.array([1024, 3072]), 12) and hash(m) == hash(
+        rans.Categorical(np.array([1024, 3072]))
+    )
+    assert m != rans.Categorical(np.array([512, 1536]), 11) and m.alphabet_size == 2
+    assert 1 <= rans.num_threads_default() <= 2
