@@ -33,13 +33,14 @@ def test_bench_scale_quick_writes_every_field(tmp_path):
     assert main(["bench", "scale", "--quick", "--model", "smollm2-135m", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     rows = res["rows"]
+    itemsize = getattr(torch, res["dtype"]).itemsize  # the serving dtype: auto, chosen by the CPU
     assert {r["method"] for r in rows} == {"recompute", "uniform8", "cachegen", "adaptive"}
     vpt = 30 * 2 * 3 * 64  # SmolLM2: 30 layers, K and V, 3 KV heads of 64
     for r in rows:
         assert set(SCALE_FIELDS) <= set(r), r
         assert r["model"] == "smollm2-135m" and r["context_tokens"] == 512 and r["bandwidth_gbps"] == 1.0
         assert r["ttft_s"] > 0 and r["base_rss_mb"] > 100  # the model is in the process
-        assert r["kv_mb"] == pytest.approx(512 * vpt * 2 / 2**20, rel=1e-6)  # bf16
+        assert r["kv_mb"] == pytest.approx(512 * vpt * itemsize / 2**20, rel=1e-6)
         assert r["peak_rss_mb"] >= r["base_rss_mb"]
     by = {r["method"]: r for r in rows}
     assert by["cachegen"]["level"] in range(1, 8)

@@ -286,7 +286,7 @@ def run_scale(
     plan: Sequence[ModelPlan],
     *,
     bandwidths_gbps: Sequence[float] = (1.0,),
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     text: str = "pydoc-eval",
     chunk_tokens: int = 256,
     project_codec: bool = True,
@@ -299,6 +299,10 @@ def run_scale(
     from cachegen.bench.cli import load
     from cachegen.bench.quality import text_ids
     from cachegen.bench.ttft import _Bench, adaptive_costs, adaptive_ladder
+    from cachegen.engine.dtype import auto_dtype_name
+
+    if dtype == "auto":
+        dtype = auto_dtype_name()
 
     rows: list[dict] = []
     t_start = time.perf_counter()
@@ -443,7 +447,12 @@ def register(sub) -> None:
         metavar="NAME|DIR",
         help="one model (default: smollm2-135m at 1K-8K tokens and gemma3-270m up to 32K)",
     )
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="model precision (default bfloat16)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *DTYPES),
+        help="model precision (default auto: bfloat16 on a CPU with AVX512-BF16 or AMX, else float32)",
+    )
     p.add_argument(
         "--bandwidth-gbps",
         type=lambda v: [float(x) for x in v.split(",") if x.strip()],
