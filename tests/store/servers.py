@@ -74,6 +74,21 @@ class RedisServer:
         self.signal(signal.SIGCONT)  # a paused server dies at once on SIGKILL too, but its clients see it sooner
         self.signal(signal.SIGKILL)
 
+    def debug_sleep(self, seconds: float) -> socket.socket:
+        """Make the server sleep (it is single-threaded: every client waits) and return once it does
+        (a fresh connection's PING goes unanswered); returns the socket that sent the command."""
+        s = socket.create_connection(("127.0.0.1", self.port))
+        s.sendall(f"DEBUG SLEEP {seconds}\r\n".encode())
+        for _ in range(50):
+            with socket.create_connection(("127.0.0.1", self.port)) as probe:
+                probe.settimeout(0.2)
+                probe.sendall(b"PING\r\n")
+                try:
+                    probe.recv(16)  # answered: the sleep has not begun yet
+                except TimeoutError:
+                    return s  # asleep
+        raise AssertionError("redis-server never started its DEBUG SLEEP")
+
 
 def start_redis(tmp: Path, cluster: bool = False) -> RedisServer:
     server, cli = _redis_binaries()
@@ -113,6 +128,29 @@ def start_redis(tmp: Path, cluster: bool = False) -> RedisServer:
     raise RuntimeError(f"redis-server on port {port} did not start: {(d / 'log').read_text()[-2000:]}")
 
 
+def create_cluster(nodes: list[RedisServer]) -> None:
+    """Join cluster-enabled ``nodes`` into one Redis Cluster (no replicas) and wait until it serves."""
+    out = subprocess.run(
+        [
+            nodes[0].cli,
+            "--cluster",
+            "create",
+            *[f"127.0.0.1:{n.port}" for n in nodes],
+            "--cluster-replicas",
+            "0",
+            "--cluster-yes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    deadline = time.time() + 30
+    while not all("cluster_state:ok" in n.command("cluster", "info") for n in nodes):
+        assert time.time() < deadline, "the Redis Cluster did not reach cluster_state:ok"
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def redis_factory(tmp_path):
     """Start private Redis servers (to kill or pause); all are stopped at the end."""
@@ -148,25 +186,7 @@ def redis_cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cluster")
     nodes = [start_redis(tmp, cluster=True) for _ in range(3)]
     try:
-        out = subprocess.run(
-            [
-                nodes[0].cli,
-                "--cluster",
-                "create",
-                *[f"127.0.0.1:{n.port}" for n in nodes],
-                "--cluster-replicas",
-                "0",
-                "--cluster-yes",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
-        deadline = time.time() + 30
-        while not all("cluster_state:ok" in n.command("cluster", "info") for n in nodes):
-            assert time.time() < deadline, "the Redis Cluster did not reach cluster_state:ok"
-            time.sleep(0.1)
+        create_cluster(nodes)
         yield f"redis+cluster://127.0.0.1:{nodes[0].port}", nodes
     finally:
         for n in nodes:

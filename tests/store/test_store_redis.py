@@ -6,7 +6,6 @@ import contextlib
 import random
 import signal
 import socket
-import subprocess
 import threading
 import time
 
@@ -16,6 +15,7 @@ from store_helpers import check_one_copy, ingest_twice, spawn
 from cachegen.errors import ChunkNotFound, ConfigError, CorruptChunk, StoreError, StoreUnavailable
 from cachegen.store import ChunkWrite, open_backend
 from cachegen.store.redis_backend import RedisBackend
+from store.servers import create_cluster
 
 pytestmark = pytest.mark.redis
 
@@ -217,25 +217,7 @@ def test_unreachable_store(redis_factory):
 
 def test_cluster_node_killed_mid_use(redis_factory):
     nodes = [redis_factory(cluster=True) for _ in range(3)]
-    out = subprocess.run(
-        [
-            nodes[0].cli,
-            "--cluster",
-            "create",
-            *[f"127.0.0.1:{n.port}" for n in nodes],
-            "--cluster-replicas",
-            "0",
-            "--cluster-yes",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    deadline = time.time() + 30
-    while not all("cluster_state:ok" in n.command("cluster", "info") for n in nodes):
-        assert time.time() < deadline
-        time.sleep(0.05)
+    create_cluster(nodes)
     b, items = _filled(f"redis+cluster://127.0.0.1:{nodes[0].port}", n=30, size=100)
     assert b.get_many(items) == [_payload(i, 100) for i in range(30)]
     nodes[1].kill()

@@ -10,16 +10,9 @@ exactly what the text policy computes for it: the answer must be identical, not 
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
-import shutil
 import signal
-import socket
-import subprocess
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -47,91 +40,14 @@ MARGIN_S = 0.5  # thread hand-offs and store round trips on a busy 2-core machin
 # -- a private redis-server per test (it is killed or paused) --------------------------------
 
 
-@dataclass
-class Redis:
-    port: int
-    pidfile: Path
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0?timeout=5"
-
-    def pid(self) -> int:
-        return int(self.pidfile.read_text().strip())
-
-    def signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, FileNotFoundError, ValueError):
-            os.kill(self.pid(), sig)
-
-    def debug_sleep(self, seconds: float) -> socket.socket:
-        """Make the server sleep (it is single-threaded: every client waits) and return once it does
-        (a fresh connection's PING goes unanswered); returns the socket that sent the command."""
-        s = socket.create_connection(("127.0.0.1", self.port))
-        s.sendall(f"DEBUG SLEEP {seconds}\r\n".encode())
-        for _ in range(50):
-            with socket.create_connection(("127.0.0.1", self.port)) as probe:
-                probe.settimeout(0.2)
-                probe.sendall(b"PING\r\n")
-                try:
-                    probe.recv(16)  # answered: the sleep has not begun yet
-                except TimeoutError:
-                    return s  # asleep
-        raise AssertionError("redis-server never started its DEBUG SLEEP")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def redis_server(tmp_path):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail(
-            "redis-server not found on PATH: the chaos tests need a real Redis "
-            "(`make redis-server` or `apt-get install -y redis-server`)",
-            pytrace=False,
-        )
-    port = _free_port()
-    pidfile = tmp_path / "redis.pid"
-    subprocess.run(
-        [
-            exe,
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--daemonize",
-            "yes",
-            "--pidfile",
-            str(pidfile),
-            "--dir",
-            str(tmp_path),
-            "--logfile",
-            str(tmp_path / "redis.log"),
-            "--enable-debug-command",
-            "local",
-        ],
-        check=True,
-        timeout=30,
-    )
-    srv = Redis(port, pidfile)
-    for _ in range(250):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            if pidfile.exists():
-                break
-        except OSError:
-            time.sleep(0.02)
-    yield srv
-    srv.signal(signal.SIGCONT)
-    srv.signal(signal.SIGKILL)
+def redis_server(redis_factory):
+    """A server of this test's own (the shared one of tests/store/servers.py must not be killed)."""
+    return redis_factory()
+
+
+def _url(srv) -> str:
+    return f"{srv.url}?timeout=5"
 
 
 # -- the model, the context and the reference answer (once per module) -------------------------
@@ -212,7 +128,7 @@ def _check(setup: Setup, res, slo: float, fault: str) -> None:
 
 
 def test_without_chaos_the_stored_cache_gives_the_reference(setup, redis_server):
-    store = _store(setup, redis_server.url)
+    store = _store(setup, _url(redis_server))
     res = setup.loader(store).load(setup.ctx)
     assert res.choices == [LOSSLESS] * N_CHUNKS and not res.faults
     assert setup.answer(res.kv) == setup.ref_tokens
@@ -220,7 +136,7 @@ def test_without_chaos_the_stored_cache_gives_the_reference(setup, redis_server)
 
 
 def test_redis_killed_mid_load(setup, redis_server):
-    store = _store(setup, redis_server.url)
+    store = _store(setup, _url(redis_server))
     link = ChaosLink(N_CHUNKS - 1, lambda: redis_server.signal(signal.SIGKILL))
     res = setup.loader(store, slo_s=10.0, link=link).load(setup.ctx)
     _check(setup, res, 10.0, "StoreUnavailable")
@@ -228,7 +144,7 @@ def test_redis_killed_mid_load(setup, redis_server):
 
 
 def test_redis_paused_mid_load(setup, redis_server):
-    store = _store(setup, redis_server.url)
+    store = _store(setup, _url(redis_server))
     link = ChaosLink(N_CHUNKS - 1, lambda: redis_server.signal(signal.SIGSTOP))
     try:
         res = setup.loader(store, slo_s=3.0, link=link).load(setup.ctx)
@@ -239,7 +155,7 @@ def test_redis_paused_mid_load(setup, redis_server):
 
 
 def test_redis_slowed_by_debug_sleep_mid_load(setup, redis_server):
-    store = _store(setup, redis_server.url)
+    store = _store(setup, _url(redis_server))
     socks = []
     link = ChaosLink(N_CHUNKS - 1, lambda: socks.append(redis_server.debug_sleep(8)))
     res = setup.loader(store, slo_s=3.0, link=link).load(setup.ctx)
@@ -252,9 +168,9 @@ def test_redis_slowed_by_debug_sleep_mid_load(setup, redis_server):
 def test_foreign_chunk_swapped_in_under_another_key(setup, redis_server):
     """Another context's chunk at the same positions, copied over the last chunk's key with its store
     checksum intact: only the chunk's own key digest can tell, and the loader must recompute it."""
-    store = _store(setup, redis_server.url)
+    store = _store(setup, _url(redis_server))
     other = [t + 1 for t in setup.ctx]  # another context: every chunk key differs
-    foreign = ContextStore(open_backend(redis_server.url), setup.namespace, setup.codec, CHUNK)
+    foreign = ContextStore(open_backend(_url(redis_server)), setup.namespace, setup.codec, CHUNK)
     foreign.put_context(other, setup.foreign_kv, levels=[LOSSLESS])
     mine, theirs = store.plan(setup.ctx)[-1].ref, foreign.plan(other)[-1].ref
     client = store.backend.client
