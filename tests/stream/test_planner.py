@@ -168,3 +168,19 @@ def test_estimator_rise_is_gradual_and_prior():
     e.add(125_000_000, 1.0)  # 1 Gbps
     e.add(1_250_000_000, 1.0)  # 10 Gbps
     assert 1.0 < e.estimate() < 10.0
+
+
+def test_engine_cost_files_are_keyed_by_dtype_profile_and_chunk_size(tmp_path, monkeypatch):
+    # a cost model measured in bf16 (or at another chunk size) must never be read back in fp32
+    from cachegen.stream import costs as costs_mod
+
+    monkeypatch.setenv("CACHEGEN_HOME", str(tmp_path))
+    base = costs_mod.engine_path("w", "torch.float32", "p", 256)
+    assert base == costs_mod.engine_path("w", "float32", "p", 256)
+    others = {
+        costs_mod.engine_path("w", "bfloat16", "p", 256),
+        costs_mod.engine_path("w", "float32", "q", 256),
+        costs_mod.engine_path("w", "float32", "p", 128),
+        costs_mod.engine_path("v", "float32", "p", 256),
+    }
+    assert base not in others and len(others) == 4

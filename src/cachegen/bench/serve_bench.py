@@ -17,6 +17,14 @@ round waits for its last answer too). One row per mode:
   the row says which).
 
 Time to first token is measured by the client: request sent to first content.
+
+By default (``--qps auto``) requests arrive at a rate this machine sustains
+without reuse: one every 1.3 times the predicted service time of a first-round
+request (prefill of its whole prompt plus its answer's decoding steps, from the
+Engine's measured cost model). Above that rate every mode's time to first token
+is mostly time in the queue, which measures the CPU, not the reuse. The load
+deadline (``--slo-s auto``) is a quarter of the predicted prefill of that
+prompt: a load is worth it only well under a recompute.
 """
 
 from __future__ import annotations
@@ -68,7 +76,25 @@ class Workload:
     system_tokens: int = 1000
     doc_tokens: int = 2000
     answer_tokens: int = 32
-    qps: float = 0.5
+    qps: float | None = None  # None: auto (see sustainable_qps)
+
+
+AUTO_HEADROOM = 1.3  # inter-arrival time over predicted service time
+AUTO_SLO_FRACTION = 0.25  # load deadline over predicted prefill time
+
+
+def first_prompt_tokens(tokenizer, system: str, doc: str) -> int:
+    """Tokens of a first-round prompt as the server templates it."""
+    from cachegen.engine.chat import render
+
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": f"{doc}\n\n{QUESTIONS[0]}"}]
+    return len(render(tokenizer, msgs))
+
+
+def sustainable_qps(costs, prompt_tokens: int, answer_tokens: int) -> float:
+    """Requests/s one model sustains without reuse: ``1 / (AUTO_HEADROOM * service)``."""
+    service = costs.recompute_s(0, prompt_tokens) + answer_tokens * costs.recompute_s(prompt_tokens, 1)
+    return 1.0 / (AUTO_HEADROOM * service)
 
 
 def _pct(xs: Sequence[float], q: float) -> float | None:
@@ -182,6 +208,7 @@ def conversations(tokenizer, w: Workload) -> tuple[str, list[str]]:
 async def _user(client, u: int, system: str, doc: str, w: Workload, t0: float, extra: dict, out: list) -> None:
     msgs: list[dict] = [{"role": "system", "content": system}]
     for r in range(w.rounds):
+        assert w.qps is not None, "resolve qps before driving"
         slot = t0 + (r * w.users + u) / w.qps
         await asyncio.sleep(max(0.0, slot - time.perf_counter()))
         q = QUESTIONS[r % len(QUESTIONS)]
@@ -299,13 +326,16 @@ def run(
     modes: Sequence[str] = MODES,
     workload: Workload | None = None,
     chunk_tokens: int = 256,
-    slo_s: float | None = 1.0,
+    slo_s: float | str | None = "auto",
     ram_bytes: int = 2 << 30,
     plot: str | Path | None = None,
     prefer_netns: bool = True,
     dtype: str = "auto",
 ) -> dict:
-    """Every mode in turn against a fresh store; returns ``{"rows": [...], "requests": {...}, ...}``."""
+    """Every mode in turn against a fresh store; returns ``{"rows": [...], "requests": {...}, ...}``.
+
+    ``workload.qps`` None and ``slo_s`` ``"auto"`` are set from the Engine's measured costs
+    (see the module docstring); the result records the values used."""
     from cachegen.calibrate import load_or_calibrate
     from cachegen.engine.engine import Engine
     from cachegen.serve import ServeConfig
@@ -327,8 +357,20 @@ def run(
         profile=load_or_calibrate,
     )
     try:
-        base.costs()
+        costs = base.costs()
         system, docs = conversations(base.tokenizer, w)
+        n_first = first_prompt_tokens(base.tokenizer, system, docs[0])
+        auto = {"prompt_tokens": n_first, "predicted_prefill_s": costs.recompute_s(0, n_first)}
+        if w.qps is None:
+            w = Workload(**{**w.__dict__, "qps": sustainable_qps(costs, n_first, w.answer_tokens)})
+            log.info("serve bench: --qps auto = %.3f requests/s (%d-token first prompts)", w.qps, n_first)
+        if slo_s == "auto":
+            slo_s = AUTO_SLO_FRACTION * auto["predicted_prefill_s"]
+            log.info("serve bench: --slo-s auto = %.2f s", slo_s)
+        elif isinstance(slo_s, str):
+            from cachegen.errors import ConfigError
+
+            raise ConfigError(f"slo_s must be a number of seconds or 'auto', got {slo_s!r}")
         for mode in modes:
             log.info("== serve bench: %s", mode)
             gbps = 1.0 if mode.endswith("1gbps") else 0.1
@@ -366,6 +408,7 @@ def run(
         "workload": w.__dict__,
         "chunk_tokens": chunk_tokens,
         "slo_s": slo_s,
+        "auto": auto,
         "rows": rows,
         "requests": per_request,
     }
@@ -420,6 +463,13 @@ def _positive(conv):
     return parse
 
 
+def _auto_or(conv):
+    def parse(text: str):
+        return "auto" if text == "auto" else conv(text)
+
+    return parse
+
+
 def register(sub) -> None:
     """Add ``bench serve`` (plain argparse: bench code does not import the CLI layer)."""
     pint, pfloat = _positive(int), _positive(float)
@@ -432,9 +482,18 @@ def register(sub) -> None:
     p.add_argument("--system-tokens", type=pint, default=1000, help="tokens of the shared system prompt (default 1000)")
     p.add_argument("--doc-tokens", type=pint, default=2000, help="tokens of each user's document (default 2000)")
     p.add_argument("--answer-tokens", type=pint, default=32, help="max_tokens per answer (default 32)")
-    p.add_argument("--qps", type=pfloat, default=0.5, help="request arrival rate per second (default 0.5)")
     p.add_argument(
-        "--slo-s", type=pfloat, default=1.0, help="load deadline of the cachegen modes, in seconds (default 1.0)"
+        "--qps",
+        type=_auto_or(pfloat),
+        default="auto",
+        help="request arrival rate per second, or auto: the rate this machine sustains without reuse (default auto)",
+    )
+    p.add_argument(
+        "--slo-s",
+        type=_auto_or(pfloat),
+        default="auto",
+        help="load deadline of the cachegen modes in seconds, or auto: a quarter of the predicted prefill "
+        "of a first-round prompt (default auto)",
     )
     p.add_argument(
         "--ram-bytes", type=pint, default=2 << 30, help="size bound of the ram-prefix cache in bytes (default 2 GiB)"
@@ -463,7 +522,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
     from cachegen.bench.plots import table
 
-    w = Workload(args.users, args.rounds, args.system_tokens, args.doc_tokens, args.answer_tokens, args.qps)
+    qps = None if args.qps == "auto" else args.qps
+    w = Workload(args.users, args.rounds, args.system_tokens, args.doc_tokens, args.answer_tokens, qps)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     res = run(
         args.model,
@@ -497,12 +557,15 @@ def section(model: str, out: Path, quick: bool = False, dtype: str = "auto") -> 
     w = QUICK if quick else Workload()
     res = run(model, MODES, w, plot=out / "serve.png", dtype=dtype)
     (Path(out) / "serve.json").write_text(json.dumps(res, indent=2) + "\n")
+    qps = res["workload"]["qps"]
+    rate = f"{qps:.3g} requests/s" + ("" if w.qps is not None else " (auto: what this machine sustains without reuse)")
     return [
         "## Serving: multi-round chats",
         "",
         f"{w.users} users x {w.rounds} rounds, a shared {w.system_tokens}-token system prompt and a "
-        f"{w.doc_tokens}-token document per user, {w.answer_tokens}-token answers at {w.qps:g} requests/s, "
-        "streamed through the official openai client to the server on 127.0.0.1; `_r2`: rounds 2 and later.",
+        f"{w.doc_tokens}-token document per user, {w.answer_tokens}-token answers at {rate}, "
+        f"load deadline {res['slo_s']:.2f} s, streamed through the official openai client to the server on "
+        "127.0.0.1; `_r2`: rounds 2 and later.",
         "",
         table(res["rows"], COLS, markdown=True),
         "",

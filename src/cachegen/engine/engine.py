@@ -144,7 +144,9 @@ class Engine:
         """Decode and recompute cost models, measured once on this machine and cached."""
         if self._costs is not None:
             return self._costs
-        path = costs_mod.default_path(f"{self.lm.fingerprint}-{self.store.namespace.profile_id}")
+        path = costs_mod.engine_path(
+            self.lm.fingerprint, str(self.model.dtype), self.store.namespace.profile_id, self.store.chunk_tokens
+        )
         try:
             self._costs = CostModel.load(path)
             return self._costs

@@ -96,6 +96,13 @@ def default_path(key: str) -> Path:
     return paths.subdir("stream") / f"costs-{safe}.json"
 
 
+def engine_path(weights_fingerprint: str, dtype: str, profile_id: str, chunk_tokens: int) -> Path:
+    """Where the Engine caches its measured costs: keyed by everything they depend on (the weights,
+    the compute dtype, the codec profile and the chunk size the recompute is timed at), so a
+    measurement in bf16 is never used in fp32. The vLLM connector reads the same file."""
+    return default_path(f"{weights_fingerprint}-{dtype.removeprefix('torch.')}-{profile_id}-{chunk_tokens}")
+
+
 def best_time(fn: Callable[[], object], repeats: int) -> float:
     """The fastest of ``repeats`` runs of ``fn``, in seconds (the least disturbed by other work)."""
     best = float("inf")

@@ -157,15 +157,15 @@ def open_setup(model_dir: str | Path, dtype: torch.dtype, config: ConnectorConfi
     if isinstance(config.policy, int) and config.policy not in levels:
         raise ConfigError(f"policy level {config.policy} is not among the stored levels {list(levels)}")
     ns = namespace(fp, dtype, prof.id)
-    costs = _costs(fp, prof.id)
+    costs = _costs(fp, str(dtype), prof.id, config.chunk_tokens)
     store = ContextStore(open_backend(config.store), ns, codec, config.chunk_tokens, levels=levels)
     log.info("cachegen store %s for %s", redact(config.store), ns.model_fingerprint)
     return StoreSetup(config.store, ns, codec, config.chunk_tokens, tuple(levels), costs, store)
 
 
-def _costs(fingerprint: str, profile_id: str) -> CostModel:
+def _costs(fingerprint: str, dtype: str, profile_id: str, chunk_tokens: int) -> CostModel:
     """The decode/recompute costs cachegen's engine measured on this machine, else the defaults."""
     try:
-        return CostModel.load(costs_mod.default_path(f"{fingerprint}-{profile_id}"))
+        return CostModel.load(costs_mod.engine_path(fingerprint, dtype, profile_id, chunk_tokens))
     except (OSError, ValueError, KeyError, TypeError):
         return CostModel()
