@@ -173,6 +173,9 @@ def test_checks_module_on_levels():
         checks.levels((1, 9))
     assert checks.levels((3, 1, 3)) == (3, 1)
     assert checks.levels(None) is None
+    from cachegen.codec import LEVELS
+
+    assert checks.LEVELS == LEVELS  # the CLI's copy, kept to refuse --levels without importing torch
 
 
 # -- output ---------------------------------------------------------------------------
@@ -321,6 +324,15 @@ def test_levels_are_checked_before_the_model_loads(env, tmp_path):
     assert_user_error(cachegen(env, "store", "ingest", f, "--levels", "high"), "--levels", "high")
     r = cachegen(env, "store", "ingest", f, "--levels", "1,9")
     assert_user_error(r, "9")
+    assert not (tmp_path / "home" / "models").exists() or not any((tmp_path / "home" / "models").iterdir())
+
+
+def test_codecs_are_checked_before_the_model_loads(env, tmp_path):
+    assert_user_error(cachegen(env, "bench", "quality", "--codecs", "fp16,nope"), "nope")
+    assert_user_error(cachegen(env, "bench", "ttft", "--codecs", "uniform8:3"), "uniform8", "3")
+    assert_user_error(cachegen(env, "bench", "needle", "--codecs", "cachegen:x"), "cachegen:x")
+    assert_user_error(cachegen(env, "bench", "all", "--codecs", "cachegen:9", "--out", tmp_path / "r"), "9")
+    assert not (tmp_path / "r").exists()
     assert not (tmp_path / "home" / "models").exists() or not any((tmp_path / "home" / "models").iterdir())
 
 

@@ -29,8 +29,10 @@ def _csv(s: str) -> list[str]:
 
 def _prepare(args: argparse.Namespace) -> tuple:
     """Checks first, then the model and its codecs."""
+    from cachegen.bench.baselines import check_specs
     from cachegen.bench.cli import codecs_for, load
 
+    check_specs(args.codecs)  # before the model loads
     checks.output_path(args.json, "--json")
     checks.output_path(args.plot, "--plot")
     if getattr(args, "text", None):
@@ -108,8 +110,11 @@ def cmd_ttft(args: argparse.Namespace) -> int:
 
 def cmd_all(args: argparse.Namespace) -> int:
     from cachegen.bench.all import run_all
+    from cachegen.bench.baselines import check_specs
 
     checks.model_positions(args.model)  # an unknown model fails here, before the first benchmark
+    if args.codecs:
+        check_specs(args.codecs)
     checks.output_dir(args.out)
     run_all(
         args.out,

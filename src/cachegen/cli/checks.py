@@ -19,6 +19,9 @@ from cachegen.errors import ConfigError, StoreError
 log = logging.getLogger(__name__)
 
 MAX_TEXT_BYTES = 64 << 20  # more than any context a shipped model can take
+# The codec's quality levels (cachegen.codec.LEVELS; a test keeps the two equal), here so that a bad
+# --levels is refused without importing the codec, and with it torch and numba (seconds).
+LEVELS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
 
 
 # -- argparse converters ----------------------------------------------------------
@@ -75,8 +78,6 @@ def levels(chosen: Sequence[int] | None) -> tuple[int, ...] | None:
     """The chosen quality levels, each one the codec has (None: all of them)."""
     if chosen is None:
         return None
-    from cachegen.codec import LEVELS
-
     bad = sorted(set(chosen) - set(LEVELS))
     if bad:
         raise ConfigError(

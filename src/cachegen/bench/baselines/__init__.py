@@ -136,6 +136,28 @@ def project_codec(loaded_model) -> ChunkCodec:
     return Codec(load_or_calibrate(loaded_model), loaded_model.fingerprint)
 
 
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """``name`` or ``name:level`` -> (name, level or None); refuses an unknown codec or level.
+
+    Needs no model (the project codec's levels are fixed), so the CLI checks ``--codecs`` with it
+    before loading anything."""
+    from cachegen.codec.profile import LEVELS
+
+    name, _, lv = spec.partition(":")
+    if lv and not lv.isdigit():
+        raise ConfigError(f"bad codec spec {spec!r}: the level after ':' is a number")
+    levels = LEVELS if name == "cachegen" else baseline(name).levels
+    if lv and int(lv) not in levels:
+        raise ConfigError(f"{name} has no level {lv} (levels: {', '.join(map(str, levels))})")
+    return name, int(lv) if lv else None
+
+
+def check_specs(names: Sequence[str]) -> None:
+    """Refuse a bad ``--codecs`` list (one ConfigError naming the first bad entry)."""
+    for spec in names:
+        parse_spec(spec)
+
+
 def make_codecs(names: Sequence[str], loaded_model=None) -> list[Variant]:
     """Variants for ``names``: ``cachegen`` = the project codec at every lossy level, a baseline at each
     of its levels; ``name:level`` picks one level."""
@@ -143,9 +165,7 @@ def make_codecs(names: Sequence[str], loaded_model=None) -> list[Variant]:
 
     out: list[Variant] = []
     for spec in names:
-        name, _, lv = spec.partition(":")
-        if lv and not lv.isdigit():
-            raise ConfigError(f"bad codec spec {spec!r}: the level after ':' is a number")
+        name, level = parse_spec(spec)
         if name == "cachegen":
             if loaded_model is None:
                 raise ConfigError("the project codec needs a loaded model (for its profile)")
@@ -153,11 +173,9 @@ def make_codecs(names: Sequence[str], loaded_model=None) -> list[Variant]:
         else:
             codec = baseline(name)
             levels = codec.levels
-        if lv:
-            if int(lv) not in codec.levels:
-                raise ConfigError(f"{name} has no level {lv} (levels: {', '.join(map(str, levels))})")
-            levels = (int(lv),)
-        out += [Variant(codec, level) for level in levels]
+        if level is not None:
+            levels = (level,)
+        out += [Variant(codec, lv) for lv in levels]
     return out
 
 
