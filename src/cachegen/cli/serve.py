@@ -40,70 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="KEY",
         help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: no key)",
     )
-    p.add_argument(
-        "--slo-s",
-        type=checks.positive_float,
-        default=None,
-        metavar="SECONDS",
-        help="default deadline for loading a prompt's stored prefix (default: none, best quality); "
-        "a request overrides it with cachegen.slo_s",
-    )
-    p.add_argument(
-        "--max-queue",
-        type=_non_negative,
-        default=16,
-        metavar="N",
-        help="requests that may wait for the model; more get 429 (default 16)",
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=checks.positive_int,
-        default=256,
-        metavar="N",
-        help="answer length of a chat request that sets no max_tokens (default 256)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=checks.positive_int,
-        default=2 << 20,
-        metavar="N",
-        help="largest request body (default 2 MiB)",
-    )
-    p.add_argument(
-        "--max-json-depth",
-        type=checks.positive_int,
-        default=64,
-        metavar="N",
-        help="deepest JSON nesting accepted (default 64)",
-    )
-    p.add_argument(
-        "--read-timeout-s",
-        type=checks.positive_float,
-        default=30.0,
-        metavar="SECONDS",
-        help="a request body must arrive within this (default 30)",
-    )
-    p.add_argument(
-        "--keep-alive-s",
-        type=checks.positive_float,
-        default=5.0,
-        metavar="SECONDS",
-        help="idle keep-alive connections close after this (default 5)",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=checks.positive_int,
-        default=256,
-        metavar="N",
-        help="open connections beyond this get 503 (default 256)",
-    )
-    p.add_argument(
-        "--max-pending-writes",
-        type=checks.positive_int,
-        default=8,
-        metavar="N",
-        help="background store writes that may wait; more are dropped and counted (default 8)",
-    )
+    for flag, conv, default, metavar, help_ in _TUNING:
+        p.add_argument(flag, type=conv, default=default, metavar=metavar, help=help_)
     p.add_argument(
         "--dtype",
         choices=("auto", "bfloat16", "float32"),
@@ -116,16 +54,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _port(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {n}")
-    return n
-
-
 def _non_negative(text: str) -> int:
     try:
         n = int(text)
@@ -133,6 +61,55 @@ def _non_negative(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected 0 or more, got {n}")
+    return n
+
+
+# The deadline and the server's limits: (flag, type, default, metavar, help).
+_TUNING = (
+    (
+        "--slo-s",
+        checks.positive_float,
+        None,
+        "SECONDS",
+        "default deadline for loading a prompt's stored prefix (default: none, best quality); "
+        "a request overrides it with cachegen.slo_s",
+    ),
+    ("--max-queue", _non_negative, 16, "N", "requests that may wait for the model; more get 429 (default 16)"),
+    (
+        "--max-tokens",
+        checks.positive_int,
+        256,
+        "N",
+        "answer length of a chat request that sets no max_tokens (default 256)",
+    ),
+    ("--max-body-bytes", checks.positive_int, 2 << 20, "N", "largest request body (default 2 MiB)"),
+    ("--max-json-depth", checks.positive_int, 64, "N", "deepest JSON nesting accepted (default 64)"),
+    ("--read-timeout-s", checks.positive_float, 30.0, "SECONDS", "a request body must arrive within this (default 30)"),
+    (
+        "--keep-alive-s",
+        checks.positive_float,
+        5.0,
+        "SECONDS",
+        "idle keep-alive connections close after this (default 5)",
+    ),
+    ("--max-connections", checks.positive_int, 256, "N", "open connections beyond this get 503 (default 256)"),
+    (
+        "--max-pending-writes",
+        checks.positive_int,
+        8,
+        "N",
+        "background store writes that may wait; more are dropped and counted (default 8)",
+    ),
+)
+
+
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {n}")
     return n
 
 
