@@ -299,7 +299,7 @@ def test_bench_all_quick_on_a_tiny_model(tmp_path, tiny_lm, monkeypatch):
     for f in ("quality.json", "needle.json", "ttft.json", "quality.png", "needle.png", "ttft.png", "timings.json"):
         assert (out / f).stat().st_size > 0
     tt = json.loads((out / "ttft.json").read_text())
-    assert {r["method"] for r in tt["rows"]} == {"recompute", "fp16", "kivi2", "cachegen-released"}
+    assert {r["method"] for r in tt["rows"]} == {"recompute", "fp16", "kivi2", "cachegen-released", "adaptive"}
     assert sorted({r["bandwidth_gbps"] for r in tt["rows"]}) == [0.1, 1.0, 10.0]
 
 
