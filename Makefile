@@ -41,7 +41,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 
 # The connector's tests against three real vLLM engines (23 min on the shared 2-core machine); the profile comes from .venv.
 test-vllm: setup vllm-setup system-deps
-	$(VLLM_BIN)/python -m pytest -q tests/integrations
+	$(VLLM_BIN)/python -m pytest -q --durations=10 tests/integrations
 
 # Debian packages the tests use: redis-server (started and stopped by the tests themselves) and
 # iproute2 (ip, tc: the shaped netns link of the network tests and benches).
@@ -61,8 +61,8 @@ test: setup system-deps vllm-setup
 	$(BIN)/ruff check src tests tools
 	$(BIN)/ruff format --check src tests tools
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q --cov=cachegen --cov-report=term-missing:skip-covered
-	$(VLLM_BIN)/python -m pytest -q tests/integrations
+	$(BIN)/python -m pytest -q --durations=25 --cov=cachegen --cov-report=term-missing:skip-covered
+	$(VLLM_BIN)/python -m pytest -q --durations=10 tests/integrations
 
 bench: setup
 	$(BIN)/cachegen bench all --out results
