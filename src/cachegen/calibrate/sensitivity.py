@@ -31,7 +31,7 @@ def context_kv(model, context_ids: torch.Tensor) -> KVCache:
     """The KV cache of a transformers causal LM after a prefill of 1-D ``context_ids`` (no gradients)."""
     with torch.no_grad():
         c = recording_cache(model.config)
-        out = model(input_ids=context_ids[None], cache=c, use_cache=True)
+        out = model(input_ids=context_ids[None], cache=c, use_cache=True, logits_to_keep=1)  # only the cache is read
         return from_transformers(out.cache, model.config)
 
 

@@ -55,7 +55,9 @@ class Decoder:
             for a in range(0, ids.shape[1], step):
                 if cancelled is not None and a and cancelled():
                     break
-                out = self.model(input_ids=ids[:, a : a + step], cache=self.cache, use_cache=True)
+                # logits of the last position only: the LM head over every position would cost
+                # tokens x vocab x hidden (a fifth of SmolLM2's prefill, most of Gemma-3's)
+                out = self.model(input_ids=ids[:, a : a + step], cache=self.cache, use_cache=True, logits_to_keep=1)
                 self.cache = out.cache
                 self.length += min(step, ids.shape[1] - a)
                 logits = out.logits[0, -1]
