@@ -134,7 +134,15 @@ MODULES: tuple[Module, ...] = (
     Module(
         "planner",
         ("src/cachegen/stream/planner.py",),
-        ("tests/stream/test_planner.py", "tests/stream/test_planner_oracles.py", *_FAST),
+        (
+            "tests/stream/test_planner.py",
+            "tests/stream/test_planner_oracles.py",
+            "tests/stream/test_planner_units.py",
+            "tests/stream/test_planner_adaptive.py",
+            "tests/stream/test_planner_fastest.py",
+            "tests/stream/test_fastest.py",
+            *_FAST,
+        ),
         "H2",
     ),
     Module(
@@ -148,6 +156,25 @@ MODULES: tuple[Module, ...] = (
 # Surviving mutants that no test can kill because they do not change behaviour: name -> why.
 # (Mutant names are mutmut's: <module>.x_<function>__mutmut_<n>; docs/testing.md lists them too.)
 _PID16 = "a profile id is 32 hex digits (Profile.id) or empty (16 zero bytes): pid is always 16 bytes, never padded"
+_NOTEXT = "text=None is false like text=False: options() leaves TEXT out"
+_PLANNER_EQUIVALENT = {
+    "x_lift__mutmut_2": "boost 0 passes the check: lv[max(0, lv.index(level) - 0)] is the level itself",
+    "x_lift__mutmut_8": _NOTEXT,
+    "x_lift__mutmut_11": "TEXT among the levels: text returned before, TEXT is last and a lift only moves to earlier places",
+    "x_lift__mutmut_12": "TEXT among the levels: text returned before, TEXT is last and a lift only moves to earlier places",
+    "x_smallest_level__mutmut_5": _NOTEXT,
+    "x_useful_options__mutmut_4": _NOTEXT,
+    "x_choose_rule__mutmut_3": _NOTEXT,
+    "x_choose_rule__mutmut_6": "TEXT as the last option returns TEXT (its fetch is 0.0 s) when no level fits, as the fall-through does",
+    "x_choose_rule__mutmut_7": "TEXT as the last option returns TEXT (its fetch is 0.0 s) when no level fits, as the fall-through does",
+    "x_decide__mutmut_50": _NOTEXT,
+    "x_decide__mutmut_24": "choose_fastest's choice does not depend on time_left_s (only Prediction.fits, which decide drops)",
+    "x_simulate__mutmut_3": "simulate never reads the default state's time_left_s",
+    "x_simulate__mutmut_4": "simulate never reads the default state's time_left_s",
+    "x__cold_start__mutmut_22": "the text step returns the link time unchanged and only its compute end is read",
+    "x__cold_start__mutmut_26": "the text step does not read the rate (chunk_costs of TEXT is the recompute alone)",
+    "x__cold_start__mutmut_34": "the text step returns the link time unchanged and only its compute end is read",
+}
 EQUIVALENT: dict[str, str] = {
     "cachegen.codec.container.x_pack_header__mutmut_9": _PID16 + " (bytes.fromhex('') padded = bytes(16))",
     "cachegen.codec.container.x_pack_header__mutmut_12": _PID16 + " (bytes(17) is cut to 16)",
@@ -158,6 +185,7 @@ EQUIVALENT: dict[str, str] = {
     "cachegen.codec.container.x_parse_header__mutmut_12": "unpack_from's offset defaults to 0",
     "cachegen.codec.container.x_parse_header__mutmut_55": 'codec names are case-insensitive ("ASCII" is "ascii")',
     "cachegen.codec.container.xǁReaderǁarray__mutmut_8": "the buffer taken is exactly count items: frombuffer reads them all",
+    **{f"cachegen.stream.planner.{n}": why for n, why in _PLANNER_EQUIVALENT.items()},
 }
 
 
