@@ -89,7 +89,13 @@ MODULES: tuple[Module, ...] = (
             "src/cachegen/codec/quant.py",
             "src/cachegen/codec/transform.py",
         ),
-        ("tests/codec/test_quant.py", "tests/codec/test_codec_bounds.py", "tests/codec/test_codec.py", *_FAST),
+        (
+            "tests/codec/test_quant.py",
+            "tests/codec/test_codec_bounds.py",
+            "tests/codec/test_codec.py",
+            "tests/codec/test_codec_paths.py",
+            *_FAST,
+        ),
         "H1",
     ),
     Module(
@@ -156,6 +162,83 @@ MODULES: tuple[Module, ...] = (
 # Surviving mutants that no test can kill because they do not change behaviour: name -> why.
 # (Mutant names are mutmut's: <module>.x_<function>__mutmut_<n>; docs/testing.md lists them too.)
 _PID16 = "a profile id is 32 hex digits (Profile.id) or empty (16 zero bytes): pid is always 16 bytes, never padded"
+_F64 = "astype(None) is astype(float64)"
+_I64 = "the rANS entry points cast table indexes, lengths and row shifts to int64 (np.ascontiguousarray(..., int64))"
+_EXACT = "float64 holds these small integers exactly and the numba kernels read them through np.int64(...)"
+_U32 = "'<i' and '<I' pack the same bytes below 2^31, and these counts stay far below (2^31 words is 4 GiB)"
+_PREC = "Categorical's precision defaults to 12 = PRECISION"
+_CHECK = "encode_columns' check= only tests symbol < alphabet size: uint8 plane bytes are always < 256"
+_DUMMY = "a one-symbol plane's dummy count: any positive count below the cap's remainder gives the same capped table"
+_SLICE = "a section/step/class slice one longer is cut back to the layer's two by the zip over (k, v) in _encode_layer"
+_COPY = "tobytes() copies anyway: whether astype copies changes no byte"
+_CODEC_EQUIVALENT = {
+    "x__decode_lossless__mutmut_14": "'<b' reads the element-size byte: a byte >= 128 is refused either way (neither 2 nor 4)",
+    "x__decode_lossless__mutmut_27": "float64 frequencies from '<u2' are exact; Categorical takes int64 and the checks use int()",
+    "x__decode_lossless__mutmut_46": _I64,
+    "x__decode_lossless__mutmut_89": _PREC,
+    "x__decode_lossless__mutmut_101": _EXACT,
+    "x__decode_lossless__mutmut_103": _I64,
+    "x__decode_lossless__mutmut_105": _I64,
+    "x__decode_lossless__mutmut_113": "reshape(None) and reshape(-2) of the C-contiguous raw bytes: np.frombuffer reads the same buffer",
+    "x__decode_lossless__mutmut_115": "reshape(None) and reshape(-2) of the C-contiguous raw bytes: np.frombuffer reads the same buffer",
+    "x__decode_lossy__mutmut_37": _EXACT + " (the escapes are int32)",
+    "x__decode_lossy__mutmut_39": _EXACT + " (the escapes are int32)",
+    "x__decode_lossy__mutmut_41": "a pad of two instead of one: dequantize reads at most esc[n_esc]",
+    "x__decode_lossy__mutmut_51": "float64 zeros: row_scale casts u to float64, decode_interleaved row shifts to int64",
+    "x__decode_lossy__mutmut_53": "float64 zeros: row_scale casts u to float64, decode_interleaved row shifts to int64",
+    "x__decode_lossy__mutmut_86": "float64 u: the range check compares values, row_scale casts to float64, row shifts to int64",
+    "x__decode_lossy__mutmut_96": _I64,
+    "x__decode_lossy__mutmut_98": _I64,
+    "x__decode_lossy__mutmut_102": "unreachable: a u table has N_U = U_MAX - U_MIN + 1 symbols (checked by Profile.from_bytes), so u <= U_MAX",
+    "x__encode_lossless__mutmut_26": "'<b' and '<B' pack an element size of 2 or 4 to the same byte",
+    "x__encode_lossless__mutmut_37": _PREC,
+    "x__encode_lossless__mutmut_42": _CHECK,
+    "x__encode_lossless__mutmut_46": _CHECK,
+    "x__encode_lossless__mutmut_52": _CHECK,
+    "x__encode_lossless__mutmut_48": _I64,
+    "x__encode_lossless__mutmut_50": _I64,
+    "x__encode_lossless__mutmut_63": _U32,
+    "x__encode_section__mutmut_3": "with no sink tokens x[:, :0] gives b'' too",
+    "x__encode_section__mutmut_34": _U32,
+    "x__encode_section__mutmut_40": _U32,
+    "x__encode_section__mutmut_69": _U32,
+    "x__encode_section__mutmut_51": _EXACT + " (multiplier symbols 0..6)",
+    "x__encode_section__mutmut_54": _I64,
+    "x__encode_section__mutmut_56": _I64,
+    "x__encode_section__mutmut_58": "typing.cast returns its value whatever the type named",
+    "x__lossless_tables__mutmut_2": _F64,
+    "x__lossless_tables__mutmut_14": _DUMMY + " (0 overwritten when it is the plane's symbol: 1 gets the rest)",
+    "x__lossless_tables__mutmut_16": _DUMMY + " (the plane's symbol overwritten: the first other gets the rest)",
+    "x__lossless_tables__mutmut_20": _DUMMY + " (1e-9 / n instead of 1e-9 * n)",
+    "x__lossless_tables__mutmut_26": _DUMMY + " (2e-9 instead of 1e-9 for an empty plane)",
+    "x__lossless_tables__mutmut_35": "at exactly the cap the capping moves freqs[top] - cap = 0",
+    "x__lossless_tables__mutmut_39": "-2 or -1 at the top: argmax of the rest picks a frequency >= 0 either way",
+    "x_layer_inputs__mutmut_26": "K and V of a layer have the same heads (KVLayer and the profile's layer_dims)",
+    "x_layer_inputs__mutmut_30": "K and V of a layer have the same tokens (KVLayer checks it)",
+    "x_section_symbols__mutmut_12": "a pad of two instead of one: quantize writes at most y.size escapes",
+    "xǁCodecǁencode__mutmut_46": "pid None or '': pack_header writes 16 zero bytes for any false profile id",
+    "xǁCodecǁencode__mutmut_76": "calibrate's n_sink defaults to DEFAULT_SINK = 4",
+    "xǁCodecǁencode__mutmut_103": _SLICE + " (layer_multipliers' extra u is unused)",
+    "xǁCodecǁencode__mutmut_104": _SLICE + " (layer_multipliers' extra u is unused)",
+    "xǁCodecǁencode__mutmut_109": _SLICE,
+    "xǁCodecǁencode__mutmut_110": _SLICE,
+    "xǁCodecǁencode__mutmut_115": _SLICE,
+    "xǁCodecǁencode__mutmut_116": _SLICE,
+    "xǁCodecǁencode__mutmut_129": "pack_header writes FORMAT_VERSION itself, not h.version",
+    "xǁCodecǁencode__mutmut_142": "pack_header ignores payload_offset (parse_header computes it)",
+    "xǁCodecǁencode__mutmut_162": "pack_header ignores payload_offset (parse_header computes it)",
+}
+_QUANT_EQUIVALENT = {
+    "x_classes_for__mutmut_7": _F64,
+    "x_classes_for__mutmut_9": _F64,
+    "x_laplace_prior__mutmut_13": "an int64 arange plus 0.5 gives the same float64 values",
+    "x_laplace_prior__mutmut_16": "an int64 arange plus 0.5 gives the same float64 values",
+    "x_laplace_prior__mutmut_28": "at x = 0 both halves of the CDF are 0.5 (and x = q +- 1/2 is never 0)",
+    "x_laplace_prior__mutmut_68": "np.zeros defaults to float64",
+    "x_laplace_prior__mutmut_70": "np.zeros defaults to float64",
+    "x_tables_from_counts__mutmut_10": _F64,
+    "x_tables_from_counts__mutmut_33": "the dropped 1e-12 never exceeds 1e-9 * max(total, 1.0)",
+}
 _NOTEXT = "text=None is false like text=False: options() leaves TEXT out"
 _PLANNER_EQUIVALENT = {
     "x_lift__mutmut_2": "boost 0 passes the check: lv[max(0, lv.index(level) - 0)] is the level itself",
@@ -186,6 +269,11 @@ EQUIVALENT: dict[str, str] = {
     "cachegen.codec.container.x_parse_header__mutmut_55": 'codec names are case-insensitive ("ASCII" is "ascii")',
     "cachegen.codec.container.xǁReaderǁarray__mutmut_8": "the buffer taken is exactly count items: frombuffer reads them all",
     **{f"cachegen.stream.planner.{n}": why for n, why in _PLANNER_EQUIVALENT.items()},
+    **{f"cachegen.codec.codec.{n}": why for n, why in _CODEC_EQUIVALENT.items()},
+    **{f"cachegen.codec.quant.{n}": why for n, why in _QUANT_EQUIVALENT.items()},
+    "cachegen.store.keys.x_token_bytes__mutmut_34": _COPY,
+    "cachegen.store.keys.x_token_bytes__mutmut_36": _COPY,
+    "cachegen.store.keys.x_token_bytes__mutmut_37": _COPY,
 }
 
 

@@ -5,6 +5,7 @@ definitions catch it before it costs bits."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -91,3 +92,80 @@ def test_tables_follow_the_counts_smoothed_by_the_prior():
     strong = quant.tables_from_counts(counts, 12, prior_weight=1.0)
     weak = quant.tables_from_counts(counts, 12, prior_weight=0.002)
     assert strong[k, quant.CENTER] < weak[k, quant.CENTER]  # more weight on the prior pulls a class towards it
+
+
+def test_laplace_prior_computes_without_overflow():
+    """Both halves of the CDF take exponents <= 0 only (``np.where`` evaluates both): no inf on the way,
+    however narrow the spread."""
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        for ratio in (0.0, 1e-3, 0.01, 0.3, 4.0, 40.0):
+            assert np.isfinite(quant.laplace_prior(ratio)).all(), ratio
+
+
+def _table_row(counts_k: np.ndarray, k: int, weight: float = 0.002) -> np.ndarray:
+    """Class ``k``'s table as documented, in float64 in the implementation's order: the counts plus
+    ``weight * total + 64`` pseudo-counts shaped as the class's prior, the escape's count at least
+    1e-9 of the total (and at least 1e-9), quantized to 4096."""
+    from cachegen.codec.rans import quantize_counts
+
+    c = counts_k.astype(np.float64).copy()
+    total = c.sum()
+    prior = quant.laplace_prior(2.0 ** ((k - quant.CLASS_OFFSET) / 2.0))
+    c += prior / prior.sum() * (weight * total + 64.0)
+    c[quant.ESCAPE] = max(c[quant.ESCAPE], 1e-9 * max(total, 1.0))
+    return quantize_counts(c, 12)
+
+
+def test_tables_are_exactly_the_documented_smoothing():
+    rng = np.random.default_rng(5)
+    counts = np.zeros((quant.N_CLASSES, quant.ALPHABET))
+    for k in range(quant.N_CLASSES):
+        if k % 3:
+            counts[k, rng.integers(0, quant.ESCAPE, 12)] = rng.integers(1, 400, 12)
+    counts[7, quant.ESCAPE] = 30
+    counts[23, quant.CENTER - 100 : quant.CENTER + 100] = rng.integers(0, 50, 200)  # a wide class: tails cut
+    for weight in (0.002, 0.5):
+        f = quant.tables_from_counts(counts, 12, prior_weight=weight)
+        for k in range(quant.N_CLASSES):
+            assert np.array_equal(f[k], _table_row(counts[k], k, weight)), (weight, k)
+    # the defaults: 12 bits, prior weight 0.002 (what calibration uses)
+    default = quant.tables_from_counts(counts)
+    assert (default.sum(axis=1) == 4096).all()
+    assert np.array_equal(default, quant.tables_from_counts(counts, 12, prior_weight=0.002))
+
+
+def test_escape_floor_is_exact_on_a_rounding_edge():
+    """The escape's pseudo-count (1e-9 of the class total, at least 1e-9) is part of the total every
+    share is taken of, so on another symbol's rounding edge it decides that symbol's frequency: the
+    tables follow the documented formula exactly there too (totals between 1 and 2 counts)."""
+    k, j = quant.CLASS_OFFSET, quant.CENTER + 3
+
+    def row(x: float) -> np.ndarray:
+        r = np.zeros(quant.ALPHABET)
+        r[j] = x
+        return r
+
+    def fj(x: float) -> int:
+        return int(_table_row(row(x), k)[j])
+
+    xs = np.linspace(1.05, 1.95, 46)
+    edges = []
+    for a, b in itertools.pairwise(xs):
+        a, b = float(a), float(b)
+        if fj(a) == fj(b):
+            continue
+        while np.nextafter(a, b) < b:  # bisect to adjacent floats
+            m = 0.5 * (a + b)
+            if fj(m) == fj(a):
+                a = m
+            else:
+                b = m
+        edges.append((a, b))
+        if len(edges) == 6:
+            break
+    assert len(edges) >= 3
+    for a, b in edges:
+        for x in (a, b):
+            counts = np.zeros((quant.N_CLASSES, quant.ALPHABET))
+            counts[k] = row(x)
+            assert np.array_equal(quant.tables_from_counts(counts, 12)[k], _table_row(row(x), k)), x

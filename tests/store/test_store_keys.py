@@ -147,3 +147,25 @@ def test_a_namespace_needs_a_model_a_version_and_a_profile(bad, message):
     with pytest.raises(ConfigError, match=message):
         Namespace(*bad)
     assert Namespace("fp", 0, "p").root() != Namespace("fp", 1, "p").root()  # version 0 is a version
+
+
+class _DeviceTensor:
+    """Stands for a GPU tensor: numpy cannot read it (torch's CUDA tensors refuse ``__array__`` the same
+    way), and ``.cpu()`` copies it to host memory."""
+
+    def __init__(self, ids):
+        self._host = torch.tensor(ids)
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor first.")
+
+    def cpu(self) -> torch.Tensor:
+        return self._host
+
+
+def test_device_tensors_are_copied_to_the_host_first():
+    ids = list(range(1000, 1300))
+    with pytest.raises(TypeError):
+        np.asarray(_DeviceTensor(ids))  # what token_bytes must not do
+    assert token_bytes(_DeviceTensor([1, 256, 0xFFFFFFFF])) == b"\x01\x00\x00\x00\x00\x01\x00\x00\xff\xff\xff\xff"
+    assert chunk_keys(_DeviceTensor(ids), NS, 128) == chunk_keys(ids, NS, 128)
