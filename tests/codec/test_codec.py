@@ -11,6 +11,7 @@ from cachegen.codec import FORMAT_VERSION, LEVELS, LOSSLESS, Codec, Profile, cal
 from cachegen.codec.transform import forward_section
 from cachegen.errors import CorruptChunk, FormatVersionError, ProfileMismatch
 from cachegen.kv import KVCache, KVLayer, LayerKind
+from codec.samples import planted_sensitivity
 
 
 def rand_kv(seed=0, L=3, H=2, T=48, D=16, Dv=None, start=0, dtype=torch.float32):
@@ -22,17 +23,6 @@ def rand_kv(seed=0, L=3, H=2, T=48, D=16, Dv=None, start=0, dtype=torch.float32)
         kind = LayerKind.SLIDING if i % 2 else LayerKind.FULL
         layers.append(KVLayer(k.to(dtype), v.to(dtype), kind, 16 if i % 2 else None))
     return KVCache(layers, start=start)
-
-
-def planted_sensitivity(kv):
-    """Per-token sensitivities (layers, 2, heads, tokens) that follow each token's first key
-    channel: a token-importance predictor can learn them, so chunks carry a spread of multipliers."""
-    out = []
-    for l in kv.layers:
-        z = l.k[..., 0].double().numpy()
-        z = (z - z.mean()) / z.std()
-        out.append(np.stack([np.exp(2.0 * z), np.exp(-1.5 * z)]))
-    return np.stack(out)
 
 
 @pytest.fixture(scope="module")

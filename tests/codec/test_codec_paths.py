@@ -46,6 +46,7 @@ from cachegen.codec.rope import RopeSpec
 from cachegen.codec.transform import forward_section, inverse_section
 from cachegen.errors import CodecError, ConfigError, CorruptChunk, KeyMismatch, ProfileMismatch
 from cachegen.kv import KVCache, KVLayer, LayerKind
+from codec.samples import planted_sensitivity
 
 KEY = "chunk-key-for-the-paths-tests"
 
@@ -92,16 +93,6 @@ def _u_offset(sec) -> int:
     return 8 + ns + 4 * ne
 
 
-def _planted(kv: KVCache) -> np.ndarray:
-    """Per-token sensitivities (layers, 2, heads, tokens) that follow each token's first key channel."""
-    out = []
-    for l in kv.layers:
-        z = l.k[..., 0].double().numpy()
-        z = (z - z.mean()) / z.std()
-        out.append(np.stack([np.exp(2.0 * z), np.exp(-1.5 * z)]))
-    return np.stack(out)
-
-
 @pytest.fixture(scope="module")
 def profile() -> Profile:
     """Two layers (K 8 wide, V 4 wide), no token importance."""
@@ -113,7 +104,9 @@ def imp_profile() -> Profile:
     """One layer with token importance: each section carries a multiplier stream."""
     imp = _kv(300, layers=1, tokens=400)
     return calibrate(
-        [_kv(100 + i, layers=1, tokens=96) for i in range(2)], "fp-imp", importance_data=[(imp, _planted(imp))]
+        [_kv(100 + i, layers=1, tokens=96) for i in range(2)],
+        "fp-imp",
+        importance_data=[(imp, planted_sensitivity(imp))],
     )
 
 
