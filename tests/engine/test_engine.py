@@ -142,3 +142,41 @@ def test_sampling_and_stop_strings(engine):
         engine.start([10**9], SamplingParams(max_tokens=1))
     with pytest.raises(ConfigError):
         engine.start([5] * 8000, SamplingParams(max_tokens=500))
+
+
+def test_costs_are_measured_here_cached_and_measured_again_when_stale(engine, monkeypatch, tmp_path):
+    from cachegen.stream import costs as costs_mod
+
+    monkeypatch.setenv("CACHEGEN_HOME", str(tmp_path))
+    calls = []
+
+    def fake_decode(codec, sample, levels, **kw):
+        calls.append(("decode", sample.num_tokens, tuple(levels)))
+        return CostModel(decode_s_per_mvalue={lv: 0.5 for lv in levels}, source="calibrated")
+
+    def fake_recompute(recompute, ids, n, prefix_tokens, base):
+        calls.append(("recompute", n, prefix_tokens))
+        base.recompute_s_per_token = 7e-3
+        return base
+
+    monkeypatch.setattr(costs_mod, "calibrate_decode", fake_decode)
+    monkeypatch.setattr(costs_mod, "calibrate_recompute", fake_recompute)
+    saved = engine._costs
+    try:
+        engine._costs = None
+        cm = engine.costs()
+        assert calls == [("decode", 256, (1, 4, 7)), ("recompute", 256, 512)]
+        assert cm.recompute_s_per_token == 7e-3 and cm.machine == costs_mod.machine_id()
+        path = costs_mod.engine_path(
+            engine.lm.fingerprint, "torch.float32", engine.store.namespace.profile_id, engine.store.chunk_tokens
+        )
+        assert path.is_relative_to(tmp_path) and costs_mod.load_fresh(path) == cm
+        engine._costs = None
+        assert engine.costs() == cm and len(calls) == 2  # read back, not measured again
+        cm.measured_at -= costs_mod.MAX_AGE_S  # a week old
+        cm.save(path)
+        engine._costs = None
+        engine.costs()
+        assert len(calls) == 4 and costs_mod.load_fresh(path) is not None  # measured and stamped again
+    finally:
+        engine._costs = saved

@@ -29,14 +29,13 @@ from cachegen.kv import KVCache
 from cachegen.store import ContextStore, Namespace, open_backend
 from cachegen.stream import (
     TEXT,
-    CostModel,
     LoaderOptions,
     StreamingLoader,
     ThrottledLink,
     ThroughputEstimator,
     make_trace,
 )
-from cachegen.stream.costs import calibrate_decode, calibrate_recompute, default_path
+from cachegen.stream.costs import calibrate_decode, calibrate_recompute, default_path, load_fresh, stamp
 from cachegen.stream.planner import RECENCY_BOOST, RISK_QUANTILE, PlanChunk, simulate
 
 if TYPE_CHECKING:
@@ -248,13 +247,12 @@ def run_stream_bench(
 
     # cost models (cached per model, dtype, codec profile)
     cpath = default_path(f"{model}-{dtype}-{profile.id}-{CHUNK_TOKENS}")
-    try:
-        costs = CostModel.load(cpath)
-    except (OSError, ValueError, KeyError, TypeError):
+    costs = load_fresh(cpath)
+    if costs is None:  # none, from another machine, or older than costs.MAX_AGE_S
         sample = exact.slice(CHUNK_TOKENS, 2 * CHUNK_TOKENS)
         costs = calibrate_decode(codec, sample, levels)
         costs = calibrate_recompute(recompute, ctx, CHUNK_TOKENS, min(1024, len(ctx) - CHUNK_TOKENS), base=costs)
-        costs.save(cpath)
+        stamp(costs).save(cpath)
     continue_from(m, exact, tail)  # warm-up: the first call after loading is slower
     tails = []
     for _ in range(5):

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             say(f"all {ing.chunks} chunks were already in the store")
-        eng.costs()  # measured once per model and profile, then cached
+        eng.costs()  # measured per model and profile, cached for a week on this machine
 
         say("\n[1] recompute: prefill the whole prompt from text")
         a = eng.generate(case.context_ids, case.question_ids, use_cache=False)

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             profile=load_or_calibrate,
         ) as eng:
             eng.writer.max_pending = args.max_pending_writes
-            eng.costs()  # measured once per machine and cached: not on the first request's clock
+            eng.costs()  # measured here (cached for a week): not on the first request's clock
             cfg = ServeConfig(
                 model_name=eng.lm.name,
                 api_key=args.api_key or None,

@@ -11,6 +11,7 @@ background; see :mod:`cachegen.engine.completion`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from cachegen.stream import ADAPTIVE, CostModel, LoaderOptions, LoadResult, Stre
 from cachegen.stream import costs as costs_mod
 
 ProfileSource = Callable[[LoadedModel], Profile]  # e.g. cachegen.calibrate.load_or_calibrate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,23 +144,24 @@ class Engine:
         return prefill(self.model, token_ids, prefix=prefix)
 
     def costs(self) -> CostModel:
-        """Decode and recompute cost models, measured once on this machine and cached."""
+        """Decode and recompute cost models, measured on this machine and cached for a week
+        (``costs.MAX_AGE_S``): a measurement from another machine or an older one is taken again."""
         if self._costs is not None:
             return self._costs
         path = costs_mod.engine_path(
             self.lm.fingerprint, str(self.model.dtype), self.store.namespace.profile_id, self.store.chunk_tokens
         )
-        try:
-            self._costs = CostModel.load(path)
-            return self._costs
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        cached = costs_mod.load_fresh(path)
+        if cached is not None:
+            self._costs = cached
+            return cached
+        log.info("measuring decode and recompute costs on this machine (cached in %s)", path)
         ids = torch.randint(100, 5000, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
         n = self.store.chunk_tokens
         sample = self.recompute(None, ids[:n])
         cm = costs_mod.calibrate_decode(self.codec, sample, self.store.levels)
         cm = costs_mod.calibrate_recompute(self.recompute, ids, n, prefix_tokens=512, base=cm)
-        cm.save(path)
+        costs_mod.stamp(cm).save(path)
         self._costs = cm
         return cm
 

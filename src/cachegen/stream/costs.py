@@ -10,6 +10,8 @@ codec profile).
 from __future__ import annotations
 
 import json
+import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -39,6 +41,10 @@ class CostModel:
     # copying decoded values into the cache (a codec without decode_into: its whole chunk; KVCache.concat)
     stitch_bytes_per_s: float = 1.5e9
     source: str = "defaults"
+    # where and when it was measured (calibrated models): a cached measurement is reused only on the
+    # same kind of machine and while it is recent (:func:`load_fresh`)
+    machine: str = ""
+    measured_at: float = 0.0
 
     # -- predictions ---------------------------------------------------------
     def decode_s(self, level: int, num_values: int) -> float:
@@ -101,6 +107,43 @@ def engine_path(weights_fingerprint: str, dtype: str, profile_id: str, chunk_tok
     the compute dtype, the codec profile and the chunk size the recompute is timed at), so a
     measurement in bf16 is never used in fp32. The vLLM connector reads the same file."""
     return default_path(f"{weights_fingerprint}-{dtype.removeprefix('torch.')}-{profile_id}-{chunk_tokens}")
+
+
+# A cached measurement older than this is taken again: the machine's load, its neighbours on a
+# shared host, a kernel or library update all move the costs the planner's deadlines rest on.
+MAX_AGE_S = 7 * 24 * 3600.0
+
+
+def machine_id() -> str:
+    """The kind of machine the costs were measured on: CPU model and count. (Not torch's thread count,
+    a per-process setting: vLLM's worker reads the file that cachegen's engine wrote.)"""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu} x{os.cpu_count()}"
+
+
+def stamp(cm: CostModel, now: float | None = None) -> CostModel:
+    """Mark ``cm`` as measured here and now (before :meth:`CostModel.save`)."""
+    cm.machine = machine_id()
+    cm.measured_at = time.time() if now is None else now
+    return cm
+
+
+def load_fresh(path: str | Path, max_age_s: float = MAX_AGE_S, now: float | None = None) -> CostModel | None:
+    """The cached costs at ``path`` if they were measured on this kind of machine less than
+    ``max_age_s`` ago; None if they are missing, unreadable, foreign or stale (measure again)."""
+    try:
+        cm = CostModel.load(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    now = time.time() if now is None else now
+    if cm.machine != machine_id() or not (0.0 <= now - cm.measured_at < max_age_s):
+        return None
+    return cm
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:

@@ -164,8 +164,9 @@ def open_setup(model_dir: str | Path, dtype: torch.dtype, config: ConnectorConfi
 
 
 def _costs(fingerprint: str, dtype: str, profile_id: str, chunk_tokens: int) -> CostModel:
-    """The decode/recompute costs cachegen's engine measured on this machine, else the defaults."""
-    try:
-        return CostModel.load(costs_mod.engine_path(fingerprint, dtype, profile_id, chunk_tokens))
-    except (OSError, ValueError, KeyError, TypeError):
+    """The decode/recompute costs cachegen's engine measured on this machine (recently), else the defaults."""
+    cm = costs_mod.load_fresh(costs_mod.engine_path(fingerprint, dtype, profile_id, chunk_tokens))
+    if cm is None:
+        log.info("no recent cost measurement of this model on this machine: the planner uses the defaults")
         return CostModel()
+    return cm
