@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.vllm_params import CONTEXT_TOKENS, LEVELS, MODEL, NEW_TOKENS, STRICT
+from integrations.vllm_params import CONTEXT_TOKENS, CORRUPTED, LEVELS, MODEL, NEW_TOKENS, STRICT
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -128,6 +128,7 @@ def connector_run(tmp_path_factory, model_dir, prompts, redis_url) -> dict:
             "store": redis_url,
             "levels": LEVELS,
             "policy": 0,
+            "corrupt_chunk": CORRUPTED,
             "kv_out": str(tmp / "lossless.pt"),
         },
     )

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from integrations.vllm_params import BLOCK, CHUNK, CONTEXT_TOKENS, NEW_TOKENS
+from integrations.vllm_params import BLOCK, CHUNK, CONTEXT_TOKENS, CORRUPTED, NEW_TOKENS
 
 pytestmark = [pytest.mark.model, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 LOADABLE = (CONTEXT_TOKENS - 1) // CHUNK * CHUNK  # vLLM computes the last prompt token itself
+assert (CORRUPTED + 1) * CHUNK < LOADABLE  # the blocks after the damaged chunk count too
 
 
 def _delta(run_after: dict, run_before: dict, side: str, name: str):
@@ -44,9 +45,9 @@ def test_corrupted_chunk_is_recomputed_by_vllm(baseline, connector_run):
     runs = connector_run["runs"]
     assert runs["corrupt"]["tokens"] == baseline["runs"]["main"]["tokens"]
     w_before, w = runs["warm"]["stats"]["worker"], runs["corrupt"]["stats"]["worker"]
-    # chunks 0 and 1 load; chunk 2 (corrupted) is reported, its 2 blocks recomputed by vLLM
-    assert w["loaded_tokens"] - w_before["loaded_tokens"] == 2 * CHUNK
-    assert w["load_error_blocks"] - w_before["load_error_blocks"] == CHUNK // BLOCK
+    # chunks 0 and 1 load; chunk 2 (corrupted) and every block after it are reported, recomputed by vLLM
+    assert w["loaded_tokens"] - w_before["loaded_tokens"] == CORRUPTED * CHUNK
+    assert w["load_error_blocks"] - w_before["load_error_blocks"] == (LOADABLE - CORRUPTED * CHUNK) // BLOCK
     assert len(w["load_faults"]) > len(w_before["load_faults"])
 
 

@@ -7,8 +7,8 @@ Modes (``spec["mode"]``):
 * ``baseline``: plain vLLM; greedy continuations of each prompt, and the prompt-logprob
   ranks of ``prompt + continuation`` (top-1 agreement of vLLM with itself).
 * ``connector``: the connector at ``spec["policy"]`` storing ``spec["levels"]``: a cold
-  request (stores), a warm one (loads), then the same prompt with one stored chunk
-  corrupted and with one deleted; the lossless chunks of the cold request, decoded, go to
+  request (stores), a warm one (loads), then the same prompt with stored chunk
+  ``spec["corrupt_chunk"]`` corrupted and with one deleted; the lossless chunks of the cold request, decoded, go to
   ``spec["kv_out"]`` for the layout check.
 * ``strict``: a second engine on the same store loading at the strict level: the greedy
   next token after the context + the baseline's first ``j`` tokens, for every ``j`` (teacher
@@ -104,8 +104,8 @@ def main(spec_path: str, out_path: str) -> None:
         out["runs"]["warm"]["stats"] = _both()
         store = w.setup.store
         refs = store.refs(ids)
-        # a corrupted payload: chunk 2 at the loaded level
-        _corrupt(store, refs[2], spec["policy"])
+        # a corrupted payload: chunk spec["corrupt_chunk"] at the loaded level
+        _corrupt(store, refs[spec["corrupt_chunk"]], spec["policy"])
         out["runs"]["corrupt"] = gen(ids)
         w.flush(120)
         out["runs"]["corrupt"]["stats"] = _both()

@@ -1,9 +1,12 @@
 """What the vLLM tests share: the model, the context and the levels."""
 
 MODEL = "smollm2-135m"
-CONTEXT_TOKENS = 1000  # 3 whole 256-token chunks loadable, a partial 4th computed by vLLM
+# 4 whole 256-token chunks loadable and one token that vLLM computes itself: the strict run's 64
+# teacher-forced requests then prefill 1-64 tokens each on top of the loaded context, not ~250
+CONTEXT_TOKENS = 1025
 NEW_TOKENS = 64
 LEVELS = [0, 4]  # lossless, and the strict-budget level
 STRICT = 4
+CORRUPTED = 2  # the chunk the connector run damages in Redis: chunks after it are loadable too
 CHUNK = 256  # cachegen's chunk (the default)
 BLOCK = 128  # vLLM's CPU block size
