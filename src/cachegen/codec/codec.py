@@ -12,6 +12,7 @@ into byte planes, rANS-coded with per-chunk tables (one stream per column).
 from __future__ import annotations
 
 import contextlib
+import math
 import struct
 import zlib
 from collections.abc import Iterator
@@ -118,7 +119,7 @@ class Codec:
             raise ConfigError(f"a chunk of {kv.num_tokens} tokens is over this codec's max_tokens ({self.max_tokens})")
         if not 0 <= kv.start <= MAX_POSITION - kv.num_tokens:
             raise ConfigError(f"chunk start {kv.start} out of range")
-        if not all(torch.isfinite(t).all() for l in kv.layers for t in (l.k, l.v)):
+        if not all(all_finite(t) for l in kv.layers for t in (l.k, l.v)):
             raise CodecError("the KV holds NaN or Inf: no chunk carries non-finite values (a decoder refuses them)")
         layers = tuple(
             LayerShape(l.kind, l.window, int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in kv.layers
@@ -409,9 +410,17 @@ def _decode_lossless(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int)
     return _finite(x.permute(1, 0, 2).contiguous(), i)
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds no NaN or Inf, from one float64 sum: a NaN or an Inf makes it NaN or
+    infinite, and finite float32/bf16/fp16 values cannot overflow it (fewer than 2**53 values, each
+    below 2**128). About 10x faster than ``torch.isfinite(x).all()`` (which builds a bool tensor):
+    that check was a sixth of a chunk's decode."""
+    return math.isfinite(float(x.sum(dtype=torch.float64)))
+
+
 def _finite(x: torch.Tensor, i: int) -> torch.Tensor:
     """``x``, or CorruptChunk when it holds NaN or Inf (no encoder writes them: a damaged or hostile chunk)."""
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise CorruptChunk(f"section {i}: non-finite values")
     return x
 
