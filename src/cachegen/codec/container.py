@@ -92,12 +92,17 @@ class ChunkHeader:
     def num_values(self) -> int:
         return sum(self.num_tokens * l.heads * (l.k_dim + l.v_dim) for l in self.layers)
 
-    def section_offsets(self) -> list[int]:
-        out, o = [], self.payload_offset
-        for n in self.section_lengths:
-            out.append(o)
-            o += n
-        return out
+    def section_offsets(self) -> tuple[int, ...]:
+        """Where each section starts; computed once per header (a decode asks once per section)."""
+        cached = self.__dict__.get("_offsets")
+        if cached is None:
+            out, o = [], self.payload_offset
+            for n in self.section_lengths:
+                out.append(o)
+                o += n
+            cached = tuple(out)
+            object.__setattr__(self, "_offsets", cached)  # frozen: not a field, not compared
+        return cached
 
 
 def key_digest(key: str | None) -> bytes:
