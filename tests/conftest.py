@@ -7,10 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import Phase, settings
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
+
+# `make mutate` runs the tests with --hypothesis-profile=mutate ([tool.mutmut] in pyproject.toml): a
+# mutant is killed by the first failing example, so hypothesis does not shrink it (shrinking re-runs
+# the test many times per killed mutant), keeps no example database (no replay of failures found
+# under other mutants) and has no deadline (forked runs share the cores). Explicit examples and the
+# generated ones (same seed, same count) are unchanged, so the same mutants fail.
+settings.register_profile("mutate", phases=[Phase.explicit, Phase.reuse, Phase.generate], database=None, deadline=None)
 
 # test helpers shared across folders import as packages under tests/ (e.g. ``from stream.fakes import ToyCodec``)
 sys.path.insert(0, str(Path(__file__).parent))

@@ -103,6 +103,7 @@ MODULES: tuple[Module, ...] = (
         ("src/cachegen/codec/rans",),
         (
             "tests/codec/test_rans.py",
+            "tests/codec/test_rans_oracles.py",
             "-k",
             "not generated_lanes_module_is_current and not generator_check_mode",
             *_FAST,
@@ -245,6 +246,67 @@ _QUANT_EQUIVALENT = {
     "x_tables_from_counts__mutmut_10": _F64,
     "x_tables_from_counts__mutmut_33": "the dropped 1e-12 never exceeds 1e-9 * max(total, 1.0)",
 }
+_IDX = "decode_columns / encode_columns cast table indexes and lengths to int64 themselves"
+_QDIFF = (
+    "unreachable: rounding leaves 2**prec - sum(f) below k/2 (each rounded share is > its value - 1/2), so a"
+    " positive error never exceeds k and takes steps of 1"
+)
+_KIDX = (
+    "the kernels copy table indexes into int64 arrays (tb[j] = tab_idx[...]): indexes of integer value select the"
+    " same models whatever their dtype"
+)
+_RANS_EQUIVALENT = {
+    "blob.x_decode__mutmut_14": "unpack_from's offset defaults to 0",
+    "blob.x_decode__mutmut_35": _IDX,
+    "blob.x_decode__mutmut_51": "(len + pos) % 2 and (len - pos) % 2 have the same parity",
+    "blob.x_decode__mutmut_57": "float64 words hold the 16-bit values exactly and the column kernels read them through np.int64(...)",
+    "blob.x_decode__mutmut_83": _IDX,
+    "blob.x_decode__mutmut_85": _IDX,
+    "blob.x_decode__mutmut_88": _IDX,
+    "blob.x_decode__mutmut_90": _IDX,
+    "blob.x_encode__mutmut_12": "no dtype kind is 'X': 'XXuiXX' admits exactly the kinds 'ui' does",
+    "blob.x_encode__mutmut_29": _IDX,
+    "blob.x_encode__mutmut_31": _IDX,
+    "blob.x_encode__mutmut_34": _IDX,
+    "blob.x_encode__mutmut_36": _IDX,
+    "blob.x_encode__mutmut_39": "float64 symbols: encode_columns refuses one >= the alphabet size with the same message"
+    " and the kernel reads them through np.int64(...)",
+    "columns.x_encode_columns__mutmut_38": "a float64 scratch holds the 16-bit words exactly; _gather_kernel copies them into uint16 words",
+    "columns.x_encode_columns__mutmut_40": "a float64 scratch holds the 16-bit words exactly; _gather_kernel copies them into uint16 words",
+    "interleaved.x_decode_interleaved__mutmut_55": "pad words are read only by a stream already past its last word, which"
+    " decode_lanes refuses whatever they hold (S - 1 pad words: the last such read is one word out of the buffer)",
+    "interleaved.x_decode_interleaved__mutmut_57": "one pad word more than decode_lanes can read",
+    "interleaved.x_encode_interleaved__mutmut_41": "a stream is at most n*S + 16 words (a lane's first coded symbol never"
+    " renormalises: 2**16 < f << (32 - prec)), so n*S + 31 words hold it",
+    "interleaved.x_encode_interleaved__mutmut_45": "a bigger buffer: the stream is taken from its end (out[p:])",
+    "interleaved.x_encode_interleaved__mutmut_46": "a bigger buffer: the stream is taken from its end (out[p:])",
+    "interleaved.x_encode_interleaved__mutmut_48": "always recomputing freq | cum << 16 gives Tables.build's fc",
+    "model.x_min_bits__mutmut_3": "the largest of the per-table maxima is the maximum over all tables",
+    "model.x_quantize_counts__mutmut_6": "c / c.sum() is true division: integer counts give the same float64 shares",
+    "model.x_quantize_counts__mutmut_8": "c / c.sum() is true division: integer counts give the same float64 shares",
+    "model.x_quantize_counts__mutmut_27": "the float64 shares are assigned into the int64 f, which casts them the same",
+    "model.x_quantize_counts__mutmut_48": "numpy reads the sort kind case-insensitively ('STABLE' is 'stable')",
+    "model.x_quantize_counts__mutmut_55": "the loop runs only while diff != 0",
+    "model.x_quantize_counts__mutmut_58": _QDIFF,
+    **{f"model.x_quantize_counts__mutmut_{i}": _QDIFF for i in range(60, 74)},
+    "columns.x_encode_columns__mutmut_12": _KIDX,
+    "columns.x_encode_columns__mutmut_14": _KIDX,
+    "columns.x_decode_columns__mutmut_10": _KIDX,
+    "columns.x_decode_columns__mutmut_12": _KIDX,
+    "columns.x_decode_columns__mutmut_3": "integer stream lengths: np.asarray keeps them (cumsum writes int64 offsets)",
+    "columns.x_decode_columns__mutmut_5": "integer stream lengths: np.asarray keeps them (cumsum writes int64 offsets)",
+    "model.x_quantize_counts__mutmut_79": "an entry at 1 gets step = min(step, f[j] - 1) = 0: the same as skipping it",
+    "model.x_quantize_counts__mutmut_106": "step <= max(1, (f[j] - 1) // 8) <= f[j] - 1 when f[j] > 1: the cap never binds",
+    "model.xǁTablesǁbuild__mutmut_38": "1.0 / np.maximum(freq, 1) never divides by zero: errstate(divide=...) changes nothing",
+    "model.xǁTablesǁbuild__mutmut_77": "the int64 symbol ids are assigned into the lut of the symbol dtype, which casts them the same",
+    "model.xǁTablesǁbuild__mutmut_79": "the int64 symbol ids are assigned into the lut of the symbol dtype, which casts them the same",
+    "model.xǁTablesǁbuild__mutmut_88": "np.arange of an int defaults to int64",
+    "model.xǁTablesǁbuild__mutmut_90": "np.arange of an int defaults to int64",
+    "model.xǁTablesǁbuild__mutmut_101": "take_along_axis' default axis -1 is axis 1 of the 2-D tables",
+    "model.xǁTablesǁbuild__mutmut_109": "take_along_axis' default axis -1 is axis 1 of the 2-D tables",
+    "model.xǁCategoricalǁfrom_counts__mutmut_11": "quantize_counts casts the counts to float64 itself",
+    "model.xǁCategoricalǁfrom_counts__mutmut_13": "quantize_counts casts the counts to float64 itself",
+}
 _NOTEXT = "text=None is false like text=False: options() leaves TEXT out"
 _PLANNER_EQUIVALENT = {
     "x_lift__mutmut_2": "boost 0 passes the check: lv[max(0, lv.index(level) - 0)] is the level itself",
@@ -364,6 +426,7 @@ EQUIVALENT: dict[str, str] = {
     **{f"cachegen.stream.planner.{n}": why for n, why in _PLANNER_EQUIVALENT.items()},
     **{f"cachegen.codec.codec.{n}": why for n, why in _CODEC_EQUIVALENT.items()},
     **{f"cachegen.codec.quant.{n}": why for n, why in _QUANT_EQUIVALENT.items()},
+    **{f"cachegen.codec.rans.{n}": why for n, why in _RANS_EQUIVALENT.items()},
     "cachegen.store.keys.x_token_bytes__mutmut_34": _COPY,
     "cachegen.store.keys.x_token_bytes__mutmut_36": _COPY,
     "cachegen.store.keys.x_token_bytes__mutmut_37": _COPY,
