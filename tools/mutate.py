@@ -431,6 +431,8 @@ EQUIVALENT: dict[str, str] = {
     "cachegen.store.keys.x_token_bytes__mutmut_36": _COPY,
     "cachegen.store.keys.x_token_bytes__mutmut_37": _COPY,
     **{f"cachegen.store.local.{n}": why for n, why in _LOCAL_EQUIVALENT.items()},
+    "cachegen.stream.loader.xǁ_Loadǁno_message__mutmut_10": "unreachable: the fetch stage sends only messages that"
+    " compute_stage handles before no_message (a timeout's None and ProducerEnded return earlier)",
 }
 
 
