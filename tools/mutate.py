@@ -26,6 +26,19 @@ removed first, so every mutant is tested against the current tests; ``--keep`` l
 results (it re-tests mutants of functions whose source changed and runs the stats again for new
 tests, but does not re-test a surviving mutant against a changed test: pass ``--mutant``).
 
+``--mutant`` merges: before the run the script reads the module's ``.meta`` results, and after it every
+mutant that mutmut left "not checked" (exit status None: not named, or reset by mutmut, which after a
+change of the test selection re-runs its stats and drops every earlier result) gets its earlier
+result back, if the source of its function is unchanged (same ``hash_by_function_name``; a changed
+function renumbers its mutants, so those stay unchecked until named). The merged results are written
+back to the ``.meta`` files, and the row counts the whole module, its ``merged`` field says how many
+results were kept from before, its ``seconds`` add this run to the earlier row's. Where the earlier
+``.meta`` has no result either (a ``--mutant`` run before this merge existed), the earlier row of
+mutation.json gives it: listed there as a survivor or equivalent is a survivor, any other a kill
+(a timeout of that row becomes a kill: the score is the same). A kept kill stays
+right when tests were only added; a kept survivor may be killed by a new test: name it to re-test it.
+After tests were removed from a selection, run the whole module again.
+
 Adding a module: add a row to :data:`MODULES`: its name, its source files (paths under ``src/``; a
 directory means every ``.py`` file below it) and the pytest arguments that select its tests (files,
 ``file::test`` ids, ``-k`` / ``-m`` expressions). Keep the selection to the tests written for the
@@ -94,6 +107,7 @@ MODULES: tuple[Module, ...] = (
             "tests/codec/test_codec_bounds.py",
             "tests/codec/test_codec.py",
             "tests/codec/test_codec_paths.py",
+            "tests/codec/test_finite_check.py",
             *_FAST,
         ),
         "H1",
@@ -523,16 +537,79 @@ def run_module(m: Module, keep: bool, children: int, mutants: list[str]) -> dict
             "TOKENIZERS_PARALLELISM": "false",
         }
     )
+    before = read_meta(m, work) if mutants else {}
+    row = _old_row(m)
     t0 = time.monotonic()
     cmd = [_mutmut(), "run", "--max-children", str(children), *mutants]
     print(f"== {m.name}: {' '.join(module_files(m))}\n   tests: {' '.join(m.tests)}", flush=True)
     rc = subprocess.run(cmd, cwd=work, env=env).returncode
     seconds = time.monotonic() - t0
+    kept = merge_meta(m, work, before, row) if mutants else 0
     res = collect(m, work)
     res["seconds"] = round(seconds, 1)
+    if mutants:
+        res["merged"] = kept
+        res["seconds_this_run"] = res["seconds"]
+        res["seconds"] = round(seconds + row.get("seconds", 0.0), 1)
     if rc != 0:
         res["error"] = f"mutmut exited with status {rc} (its output is above)"
     return res
+
+
+def read_meta(m: Module, work: Path) -> dict[str, dict]:
+    """The module's mutmut ``.meta`` files as they are now, by source file (absent ones left out)."""
+    out = {}
+    for f in module_files(m):
+        meta = work / "mutants" / (f + ".meta")
+        if meta.exists():
+            out[f] = json.loads(meta.read_text())
+    return out
+
+
+def _function(key: str) -> str:
+    # cachegen.codec.codec.xǁCodecǁencode__mutmut_46 -> xǁCodecǁencode (a key of hash_by_function_name)
+    return key.rpartition("__mutmut_")[0].rpartition(".")[2]
+
+
+def _from_row(row: dict, key: str) -> int | None:
+    # a mutant's exit status as mutation.json's row has it: survivors and equivalent ones are listed by
+    # name, every other mutant of the row was killed (or timed out: the same for the score)
+    if not row or key in row.get("not_killed_other", ()):
+        return None
+    return 0 if key in row.get("survivors", ()) or key in row.get("equivalent_mutants", ()) else 1
+
+
+def merge_meta(m: Module, work: Path, before: dict[str, dict], row: dict) -> int:
+    """Give every mutant left unchecked by a ``--mutant`` run its result from ``before``, or else from
+    mutation.json's earlier ``row`` (see the module docstring); write the merged ``.meta`` files back.
+    The number of results kept."""
+    kept = 0
+    for f, new in read_meta(m, work).items():
+        old = before.get(f)
+        if old is None:
+            continue
+        same = {
+            fn
+            for fn, h in new.get("hash_by_function_name", {}).items()
+            if old.get("hash_by_function_name", {}).get(fn) == h
+        }
+        codes = new["exit_code_by_key"]
+        for key, code in codes.items():
+            was = old["exit_code_by_key"].get(key)
+            if was is None and key in old["exit_code_by_key"]:
+                was = _from_row(row, key)
+            if code is None and was is not None and _function(key) in same:
+                codes[key] = was
+                for d in ("durations_by_key", "estimated_durations_by_key"):
+                    if key in old.get(d, {}):
+                        new.setdefault(d, {})[key] = old[d][key]
+                kept += 1
+        (work / "mutants" / (f + ".meta")).write_text(json.dumps(new, indent=4))
+    return kept
+
+
+def _old_row(m: Module) -> dict:
+    return json.loads(RESULT.read_text()).get("modules", {}).get(m.name, {}) if RESULT.exists() else {}
 
 
 def collect(m: Module, work: Path) -> dict:
@@ -612,7 +689,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for m in chosen:
         results[m.name] = run_module(m, a.keep or bool(a.mutant), a.max_children, a.mutant)
-        results[m.name]["command"] = f"python tools/mutate.py --module {m.name}"
+        results[m.name]["command"] = f"python tools/mutate.py --module {m.name}" + "".join(
+            f" --mutant '{g}'" for g in a.mutant
+        )
         r = results[m.name]
         print(
             f"== {m.name}: {r['killed']} killed, {r['timeout']} timeout, {r['survived']} survived, "

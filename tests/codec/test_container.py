@@ -118,6 +118,16 @@ def test_parse_gives_back_every_field(dtype, inline):
     assert [bytes(C.section_bytes(data, h, i)) for i in range(len(secs))] == list(secs)
 
 
+def test_section_offsets_are_computed_once_per_header():
+    h = header(payload_offset=7)
+    first = h.section_offsets()
+    assert first == (7, 10, 10, 15)  # 7, then + len(b"abc"), + len(b""), + len(b"hello")
+    assert h.section_offsets() is first  # the same tuple: not computed again
+    assert h == header(payload_offset=7)  # the kept offsets are no field: equality is unchanged
+    other = header(payload_offset=0)
+    assert other.section_offsets() == (0, 3, 3, 8) and other.section_offsets() is other.section_offsets()
+
+
 def test_section_checksums_are_checked_one_by_one():
     data = bytearray(chunk())
     h = parse_header(bytes(data))
