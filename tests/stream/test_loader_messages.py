@@ -163,9 +163,8 @@ def test_the_predicted_decode_counts_the_chunks_values(setup):
     assert run.predicted(PlanChunk(0, 0, 32, 0, {0: 1}), 0) == costs.decode_s(0, 1)  # no count: one value
 
 
-@pytest.mark.parametrize("risk", [None, 0.9])
-def test_what_the_planner_is_given(setup, monkeypatch, risk):
-    model, codec, store, tokens, _kv = setup
+def _spy_on_decide(monkeypatch) -> list[dict]:
+    """The keyword arguments of every ``decide`` call the loader makes (the planner still decides)."""
     calls: list[dict] = []
     decide = loader_mod.decide
 
@@ -174,6 +173,13 @@ def test_what_the_planner_is_given(setup, monkeypatch, risk):
         return decide(policy, chunks, costs, **kw)
 
     monkeypatch.setattr(loader_mod, "decide", spy)
+    return calls
+
+
+@pytest.mark.parametrize("risk", [None, 0.9])
+def test_what_the_planner_is_given(setup, monkeypatch, risk):
+    model, codec, store, tokens, _kv = setup
+    calls = _spy_on_decide(monkeypatch)
     est = loader_mod.ThroughputEstimator()
     for _ in range(4):
         est.add(1_000_000, 0.001)
@@ -203,14 +209,7 @@ def test_what_the_planner_is_given(setup, monkeypatch, risk):
 
 def test_without_a_deadline_the_planner_gets_no_time_left(setup, monkeypatch):
     model, codec, store, tokens, _kv = setup
-    calls: list[dict] = []
-    decide = loader_mod.decide
-
-    def spy(policy, chunks, costs, **kw):
-        calls.append(kw)
-        return decide(policy, chunks, costs, **kw)
-
-    monkeypatch.setattr(loader_mod, "decide", spy)
+    calls = _spy_on_decide(monkeypatch)
     StreamingLoader(store, codec, model.recompute, LoaderOptions(slo_s=None)).load(tokens)
     assert calls and all(kw["time_left_s"] is None and kw["share_s"] is None for kw in calls)
 
