@@ -149,6 +149,7 @@ MODULES: tuple[Module, ...] = (
             "tests/stream/test_loader_faults.py",
             "tests/stream/test_loader_accounting.py",
             "tests/stream/test_loader_messages.py",
+            "tests/stream/test_loader_options.py",
             "tests/stream/test_planner_oracles.py",
             # the real codec's test compiles its numba kernels in the mutated copy (38 s in mutmut's
             # stats), and mutmut runs it for every mutant of load(): the toy codec's tests hold the loader

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.vllm_params import CONTEXT_TOKENS, CORRUPTED, LEVELS, MODEL, NEW_TOKENS, STRICT
+from integrations.vllm_params import CONNECTOR_TOKENS, CONTEXT_TOKENS, CORRUPTED, LEVELS, MODEL, NEW_TOKENS, STRICT
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -124,7 +124,7 @@ def connector_run(tmp_path_factory, model_dir, prompts, redis_url) -> dict:
             "mode": "connector",
             "model": model_dir,
             "prompts": prompts,
-            "new_tokens": NEW_TOKENS,
+            "new_tokens": CONNECTOR_TOKENS,
             "store": redis_url,
             "levels": LEVELS,
             "policy": 0,

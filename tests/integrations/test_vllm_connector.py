@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from integrations.vllm_params import BLOCK, CHUNK, CONTEXT_TOKENS, CORRUPTED, NEW_TOKENS
+from integrations.vllm_params import BLOCK, CHUNK, CONNECTOR_TOKENS, CONTEXT_TOKENS, CORRUPTED, NEW_TOKENS
 
 pytestmark = [pytest.mark.model, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -35,15 +35,16 @@ def test_cold_request_stores_and_warm_request_loads(connector_run):
 
 
 def test_lossless_level_gives_vllm_greedy_output(baseline, connector_run):
-    want = baseline["runs"]["main"]["tokens"]
-    assert len(want) == NEW_TOKENS
+    full = baseline["runs"]["main"]["tokens"]
+    assert len(full) == NEW_TOKENS
+    want = full[:CONNECTOR_TOKENS]
     assert connector_run["runs"]["cold"]["tokens"] == want
     assert connector_run["runs"]["warm"]["tokens"] == want
 
 
 def test_corrupted_chunk_is_recomputed_by_vllm(baseline, connector_run):
     runs = connector_run["runs"]
-    assert runs["corrupt"]["tokens"] == baseline["runs"]["main"]["tokens"]
+    assert runs["corrupt"]["tokens"] == baseline["runs"]["main"]["tokens"][:CONNECTOR_TOKENS]
     w_before, w = runs["warm"]["stats"]["worker"], runs["corrupt"]["stats"]["worker"]
     # chunks 0 and 1 load; chunk 2 (corrupted) and every block after it are reported, recomputed by vLLM
     assert w["loaded_tokens"] - w_before["loaded_tokens"] == CORRUPTED * CHUNK
@@ -53,7 +54,7 @@ def test_corrupted_chunk_is_recomputed_by_vllm(baseline, connector_run):
 
 def test_deleted_chunk_is_recomputed_and_stored_again(baseline, connector_run):
     runs = connector_run["runs"]
-    assert runs["deleted"]["tokens"] == baseline["runs"]["main"]["tokens"]
+    assert runs["deleted"]["tokens"] == baseline["runs"]["main"]["tokens"][:CONNECTOR_TOKENS]
     # chunk 1 is gone: only chunk 0 is offered; vLLM computes the rest and chunk 1 is stored again
     assert _delta(runs["deleted"], runs["corrupt"], "scheduler", "matched_tokens") == CHUNK
     assert _delta(runs["deleted"], runs["corrupt"], "worker", "loaded_tokens") == CHUNK

@@ -297,7 +297,7 @@ def test_redis_killed_mid_request_recomputes(tmp_path):
         async def go():
             a = openai.AsyncOpenAI(base_url=srv.base, api_key=API_KEY, max_retries=0)
             blocker = asyncio.create_task(
-                a.completions.create(model="m", prompt="Tell a story.", max_tokens=150, temperature=0)
+                a.completions.create(model="m", prompt="Tell a story.", max_tokens=80, temperature=0)
             )
             await asyncio.sleep(0.3)
             target = asyncio.create_task(

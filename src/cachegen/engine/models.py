@@ -13,6 +13,7 @@ config file or the GGUF header only: no torch, no weights, no copy.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.metadata as md
 import json
@@ -195,11 +196,17 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     from cachegen.progress import Spinner
 
     with Spinner(f"converting {gguf.name} to safetensors (once)", enabled=progress):
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # Each transformers call given gguf_file parses the whole GGUF header again in Python (its
+        # 49K-token vocabulary element by element, ~12 s here): the config is read once and handed to
+        # the model's loading, which then parses the file only for its tensors.
         cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        src_cfg = copy.deepcopy(cfg)
         if hasattr(cfg, "quantization_config"):
             del cfg.quantization_config
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        src = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, config=src_cfg, dtype=torch.float32
+        )
         dst = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         missing, unexpected = dst.load_state_dict(src.state_dict(), strict=False)
         missing = [k for k in missing if "rotary" not in k]
