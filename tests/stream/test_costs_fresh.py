@@ -64,3 +64,22 @@ def test_machine_id_names_the_cpu_and_its_count(monkeypatch):
     assert machine_id().endswith(" x7")
     monkeypatch.setattr(costs_mod.os, "cpu_count", lambda: 8)
     assert machine_id().endswith(" x8")
+
+
+def test_load_or_measure_measures_once_then_reads_back(tmp_path):
+    from cachegen.stream.costs import load_or_measure
+
+    path, calls = tmp_path / "c.json", []
+
+    def measure():
+        calls.append(1)
+        return CostModel(recompute_s_per_token=3e-3, source="calibrated")
+
+    first = load_or_measure(path, measure)
+    assert calls == [1] and first.machine == machine_id() and first.measured_at > 0
+    assert load_fresh(path) == first
+    assert load_or_measure(path, measure) == first and calls == [1]  # fresh: read back
+    first.measured_at -= MAX_AGE_S
+    first.save(path)
+    again = load_or_measure(path, measure)  # stale: measured and stamped again
+    assert calls == [1, 1] and load_fresh(path) == again

@@ -35,7 +35,7 @@ from cachegen.stream import (
     ThroughputEstimator,
     make_trace,
 )
-from cachegen.stream.costs import calibrate_decode, calibrate_recompute, default_path, load_fresh, stamp
+from cachegen.stream.costs import calibrate_decode, calibrate_recompute, default_path, load_or_measure
 from cachegen.stream.planner import RECENCY_BOOST, RISK_QUANTILE, PlanChunk, simulate
 
 if TYPE_CHECKING:
@@ -247,12 +247,12 @@ def run_stream_bench(
 
     # cost models (cached per model, dtype, codec profile)
     cpath = default_path(f"{model}-{dtype}-{profile.id}-{CHUNK_TOKENS}")
-    costs = load_fresh(cpath)
-    if costs is None:  # none, from another machine, or older than costs.MAX_AGE_S
-        sample = exact.slice(CHUNK_TOKENS, 2 * CHUNK_TOKENS)
-        costs = calibrate_decode(codec, sample, levels)
-        costs = calibrate_recompute(recompute, ctx, CHUNK_TOKENS, min(1024, len(ctx) - CHUNK_TOKENS), base=costs)
-        stamp(costs).save(cpath)
+
+    def measure():
+        c = calibrate_decode(codec, exact.slice(CHUNK_TOKENS, 2 * CHUNK_TOKENS), levels)
+        return calibrate_recompute(recompute, ctx, CHUNK_TOKENS, min(1024, len(ctx) - CHUNK_TOKENS), base=c)
+
+    costs = load_or_measure(cpath, measure)  # measured again on another machine or after costs.MAX_AGE_S
     continue_from(m, exact, tail)  # warm-up: the first call after loading is slower
     tails = []
     for _ in range(5):

@@ -151,19 +151,17 @@ class Engine:
         path = costs_mod.engine_path(
             self.lm.fingerprint, str(self.model.dtype), self.store.namespace.profile_id, self.store.chunk_tokens
         )
-        cached = costs_mod.load_fresh(path)
-        if cached is not None:
-            self._costs = cached
-            return cached
-        log.info("measuring decode and recompute costs on this machine (cached in %s)", path)
-        ids = torch.randint(100, 5000, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
-        n = self.store.chunk_tokens
-        sample = self.recompute(None, ids[:n])
-        cm = costs_mod.calibrate_decode(self.codec, sample, self.store.levels)
-        cm = costs_mod.calibrate_recompute(self.recompute, ids, n, prefix_tokens=512, base=cm)
-        costs_mod.stamp(cm).save(path)
-        self._costs = cm
-        return cm
+
+        def measure() -> CostModel:
+            log.info("measuring decode and recompute costs on this machine (cached in %s)", path)
+            ids = torch.randint(100, 5000, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
+            n = self.store.chunk_tokens
+            sample = self.recompute(None, ids[:n])
+            cm = costs_mod.calibrate_decode(self.codec, sample, self.store.levels)
+            return costs_mod.calibrate_recompute(self.recompute, ids, n, prefix_tokens=512, base=cm)
+
+        self._costs = costs_mod.load_or_measure(path, measure)
+        return self._costs
 
     # -- store -----------------------------------------------------------------
     def ingest(self, tokens: Sequence[int], progress: bool = False, group_chunks: int = 4) -> IngestResult:

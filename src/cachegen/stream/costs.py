@@ -146,6 +146,15 @@ def load_fresh(path: str | Path, max_age_s: float = MAX_AGE_S, now: float | None
     return cm
 
 
+def load_or_measure(path: str | Path, measure: Callable[[], CostModel]) -> CostModel:
+    """The fresh cached costs at ``path`` (:func:`load_fresh`), else ``measure()``, stamped and saved there."""
+    cm = load_fresh(path)
+    if cm is None:
+        cm = stamp(measure())
+        cm.save(path)
+    return cm
+
+
 def best_time(fn: Callable[[], object], repeats: int) -> float:
     """The fastest of ``repeats`` runs of ``fn``, in seconds (the least disturbed by other work)."""
     best = float("inf")
