@@ -56,7 +56,10 @@ def _kv(seed: int, tokens: int, start: int = 0, dtype: torch.dtype = torch.float
     return KVCache(out, start=start)
 
 
-def _sensitivity(kv: KVCache) -> np.ndarray:
+def planted_sensitivity(kv: KVCache) -> np.ndarray:
+    """Per-token sensitivities (layers, 2, heads, tokens) that follow each token's first key
+    channel: a token-importance predictor can learn them, so chunks carry a spread of multipliers
+    (the fuzzer's profile, and the codec tests')."""
     out = []
     for layer in kv.layers:
         z = layer.k[..., 0].double().numpy()
@@ -78,7 +81,7 @@ def build_corpus() -> Corpus:
     """Chunks of every kind the format has: lossless (fp32, fp16, bf16), lossy levels with a token-importance
     profile (with and without sink tokens), lossy with inline tables."""
     imp = _kv(300, 400)
-    prof = calibrate([_kv(100 + i, 96) for i in range(2)], "fuzz", importance_data=[(imp, _sensitivity(imp))])
+    prof = calibrate([_kv(100 + i, 96) for i in range(2)], "fuzz", importance_data=[(imp, planted_sensitivity(imp))])
     pc = Codec(prof, threads=1, max_tokens=MAX_TOKENS)
     ic = Codec(None, "fuzz", threads=1, max_tokens=MAX_TOKENS)
     chunks: list[tuple[str, bytes, Codec]] = [  # small chunks: a case costs a few ms even on a busy machine
