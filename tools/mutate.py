@@ -616,10 +616,8 @@ def _old_row(m: Module) -> dict:
 def collect(m: Module, work: Path) -> dict:
     """Counts per class, the score and the survivors' names from mutmut's ``.meta`` files."""
     codes: dict[str, int | None] = {}
-    for f in module_files(m):
-        meta = work / "mutants" / (f + ".meta")
-        if meta.exists():
-            codes.update(json.loads(meta.read_text())["exit_code_by_key"])
+    for meta in read_meta(m, work).values():
+        codes.update(meta["exit_code_by_key"])
     by = {name: status(code) for name, code in codes.items()}
     count = lambda s: sum(1 for v in by.values() if v == s)
     survivors = sorted(n for n, s in by.items() if s in ("survived", "no tests"))
