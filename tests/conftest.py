@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import Phase, settings
 from transformers.utils import logging as hf_logging
 
@@ -41,19 +40,9 @@ def gemma3():
 @pytest.fixture(scope="session")
 def tiny_llama():
     """A 2-layer random llama with GQA, for fast unit tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=512,
-        max_position_embeddings=2048,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama()
 
 
 # Real Redis servers (one, private ones, a 3-node cluster) and the store URLs every backend test and

@@ -15,48 +15,6 @@ from cachegen.bench.quality import compare, reference, run_quality, text_ids
 from cachegen.bench.ttft import run_ttft
 from cachegen.kv import KVCache
 
-
-def _byte_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    vocab["<eos>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<eos>")
-
-
-class _LM:
-    """What the harness reads from cachegen.engine.models.LoadedModel."""
-
-    def __init__(self, model, tokenizer):
-        self.name, self.model, self.tokenizer, self.fingerprint = "tiny-llama", model, tokenizer, "0" * 24
-
-    @property
-    def config(self):
-        return self.model.config
-
-
-@pytest.fixture(scope="module")
-def tiny_lm():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=260,
-        max_position_embeddings=4096,
-    )
-    return _LM(LlamaForCausalLM(cfg).eval(), _byte_tokenizer())
-
-
 CODECS = ["fp16", "uniform8", "uniform4", "kivi4", "kivi2", "cachegen-released"]
 
 

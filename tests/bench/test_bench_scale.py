@@ -1,4 +1,4 @@
-"""``cachegen bench scale``: the rows' fields on SmolLM2 at its quick size, and the peak-memory probe."""
+"""``cachegen bench scale``: the rows' fields at its quick size (on the tiny model), and the peak-memory probe."""
 
 from __future__ import annotations
 
@@ -25,21 +25,27 @@ def test_the_default_plan_stays_within_each_models_positions():
     assert max(plan["gemma3-270m"]) < 32768 and max(plan["gemma3-270m"]) > 32000
 
 
-@pytest.mark.model
-def test_bench_scale_quick_writes_every_field(tmp_path):
+def test_bench_scale_quick_writes_every_field(tmp_path, tiny_lm, monkeypatch):
+    """``bench scale --quick`` end to end on the tiny model (one fresh process per row, as on a real one;
+    ``make bench`` runs it on SmolLM2 and Gemma-3)."""
     from cachegen.cli.main import main
 
+    monkeypatch.setenv("CACHEGEN_HOME", str(tmp_path / "home"))  # the tiny model's calibrated profile
+    d = tmp_path / "tiny"
+    tiny_lm.model.save_pretrained(d)
+    tiny_lm.tokenizer.save_pretrained(d)
     out = tmp_path / "scale.json"
-    assert main(["bench", "scale", "--quick", "--model", "smollm2-135m", "--json", str(out)]) == 0
+    assert main(["bench", "scale", "--quick", "--model", str(d), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     rows = res["rows"]
     itemsize = getattr(torch, res["dtype"]).itemsize  # the serving dtype: auto, chosen by the CPU
     assert {r["method"] for r in rows} == {"recompute", "uniform8", "cachegen", "adaptive"}
-    vpt = 30 * 2 * 3 * 64  # SmolLM2: 30 layers, K and V, 3 KV heads of 64
+    cfg = tiny_lm.config
+    vpt = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
     for r in rows:
         assert set(SCALE_FIELDS) <= set(r), r
-        assert r["model"] == "smollm2-135m" and r["context_tokens"] == 512 and r["bandwidth_gbps"] == 1.0
-        assert r["ttft_s"] > 0 and r["base_rss_mb"] > 100  # the model is in the process
+        assert r["model"] == str(d) and r["context_tokens"] == 512 and r["bandwidth_gbps"] == 1.0
+        assert r["ttft_s"] > 0 and r["base_rss_mb"] > 100  # torch and the model are in the process
         assert r["kv_mb"] == pytest.approx(512 * vpt * itemsize / 2**20, rel=1e-6)
         assert r["peak_rss_mb"] >= r["base_rss_mb"]
     by = {r["method"]: r for r in rows}

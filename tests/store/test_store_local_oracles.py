@@ -421,3 +421,99 @@ def test_a_rebuild_runs_once_per_store_on_a_named_daemon_thread(tmp_path, monkey
         db.execute("INSERT OR REPLACE INTO settings VALUES ('rebuilding', 1)")
     LocalBackend(root)
     assert local._REBUILDS[b.root] is t and not t.is_alive()
+
+
+# -- bounds, the default wait, what counts as a store, garbage collection during a rebuild ------
+
+
+def test_the_default_lock_wait_and_the_smallest_cap(tmp_path):
+    b = LocalBackend(tmp_path / "a")
+    assert b.busy_timeout == 30.0  # the documented wait for another process's write lock
+    b.close()
+    b = LocalBackend(tmp_path / "b", max_bytes=1)  # one byte is a cap (0 is refused above)
+    assert b.max_bytes == 1
+    b.close()
+
+
+def test_a_payload_of_exactly_the_cap_fits_and_one_byte_more_is_refused(tmp_path):
+    b = LocalBackend(tmp_path / "s", max_bytes=64)
+    put(b, 1, {0: b"x" * 64})
+    assert b.get(key(1), 0) == b"x" * 64
+    with pytest.raises(StoreError) as e:
+        put(b, 2, {0: b"y" * 65})
+    assert str(e.value) == "a chunk of 65 bytes does not fit in the store's cap of 64 bytes"
+    b.close()
+
+
+def test_a_directory_with_blobs_but_no_index_is_not_taken_for_a_store(tmp_path):
+    root = tmp_path / "s"
+    (root / "blobs").mkdir(parents=True)
+    with pytest.raises(StoreError) as e:
+        LocalBackend(root, create=False)
+    assert str(e.value) == f"no store at {root}: nothing has been stored there yet"
+    assert not (root / MARKER).exists()
+
+
+def test_only_two_letter_directories_of_blobs_are_scanned(tmp_path):
+    root = tmp_path / "s"
+    b = LocalBackend(root)
+    put(b, 1, {0: b"payload"})
+    name = file_of(b, 1, 0)
+    b.close()
+    (root / "blobs" / "zz").write_bytes(b"a file with a directory's name")
+    (root / "blobs" / "abc").mkdir()
+    shutil.copy(root / "blobs" / name, root / "blobs" / "abc" / Path(name).name)  # a good name, wrong place
+    (root / INDEX).unlink()  # the index is rebuilt from the blobs
+    b = LocalBackend(root)
+    assert b.wait_rebuilt(timeout=10)
+    assert sorted(n for n, _ in b._blob_files()) == [name]
+    assert b.get(key(1), 0) == b"payload"
+    b.close()
+
+
+def test_garbage_collection_keeps_unindexed_blobs_while_a_rebuild_runs(tmp_path):
+    root = tmp_path / "s"
+    b = LocalBackend(root)
+    put(b, 1, {0: b"payload"})
+    path = root / "blobs" / file_of(b, 1, 0)
+    with b._write() as db:  # a live process (pid 1) is rebuilding: its blobs may not be indexed yet
+        db.execute("DELETE FROM payloads")
+        db.execute("INSERT OR REPLACE INTO settings VALUES ('rebuilding', 1)")
+    b.clear()  # collects garbage, except during a rebuild
+    assert path.exists()
+    with b._write() as db:
+        db.execute("DELETE FROM settings WHERE name='rebuilding'")
+    b.clear()
+    assert not path.exists()
+    b.close()
+
+
+def test_an_index_is_moved_aside_with_its_wal_and_shm(tmp_path):
+    root = tmp_path / "s"
+    b = LocalBackend(root)
+    put(b, 1, {0: b"payload"})
+    other = sqlite3.connect(root / INDEX)  # a second reader: closing the store's connection keeps the WAL
+    other.execute("SELECT COUNT(*) FROM chunks").fetchall()
+    assert (root / (INDEX + "-wal")).exists() and (root / (INDEX + "-shm")).exists()
+    b._quarantine("a test")
+    assert sorted(p.name.split(".corrupt-")[0] for p in root.glob("*.corrupt-*")) == [
+        INDEX,
+        INDEX + "-shm",
+        INDEX + "-wal",
+    ]
+    other.close()
+
+
+def test_a_failure_after_the_renames_removes_the_renamed_files(tmp_path, monkeypatch):
+    root = tmp_path / "s"
+    b = LocalBackend(root)
+
+    def fail(d):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(local, "_fsync_dir", fail)
+    with pytest.raises(StoreError) as e:
+        put(b, 1, {0: b"a", 3: b"bc"})
+    assert str(e.value) == f"cannot write chunk {key(1)[:16]} to {b.root}: [Errno 5] Input/output error"
+    assert list(b._blob_files()) == [] and b.stats().chunks == 0
+    b.close()

@@ -11,17 +11,23 @@ under another key :class:`~cachegen.errors.KeyMismatch`.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import os
+import shutil
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from cachegen.errors import ChunkNotFound, CorruptChunk, KeyMismatch, StoreUnavailable
 from cachegen.kv import KVCache, KVLayer
+from cachegen.store import ContextStore, Namespace, open_backend
 
 MAGIC = b"TOYKV2"
 _HDR = struct.Struct("<6sBIIIII8s")  # magic, level, start, layers, heads, tokens, head_dim, key digest
@@ -249,3 +255,52 @@ class FaultyStore:
 
     def __getattr__(self, name):
         return getattr(self.store, name)
+
+
+# -- a stored context, written once per process ----------------------------------------------
+
+_TEMPLATES: dict[tuple, Path] = {}
+_TEMPLATE_ROOT: Path | None = None
+
+
+def stored_context(
+    root: Path, namespace: Namespace, codec, chunk_tokens: int, tokens: list[int], kv: KVCache
+) -> ContextStore:
+    """A file store at ``root`` holding ``tokens``' chunks at every level of ``codec``.
+
+    The loader tests each need the same small stored context; writing it (a file and an fsync per
+    payload, an index transaction per chunk) was most of each test's time. It is written once per
+    process through the real store, closed, and copied for each test, which gets a store of its own."""
+    global _TEMPLATE_ROOT
+    digest = hashlib.blake2b(digest_size=16)
+    for layer in kv.layers:
+        digest.update(layer.k.numpy().tobytes())
+        digest.update(layer.v.numpy().tobytes())
+    key = (namespace, chunk_tokens, tuple(tokens), tuple(codec.levels), type(codec).__name__, digest.hexdigest())
+    template = _TEMPLATES.get(key)
+    if template is None:
+        if _TEMPLATE_ROOT is None:
+            _TEMPLATE_ROOT = Path(tempfile.mkdtemp(prefix="cachegen-test-stores-"))
+            atexit.register(shutil.rmtree, _TEMPLATE_ROOT, True)
+        template = _TEMPLATE_ROOT / str(len(_TEMPLATES))
+        store = ContextStore(open_backend(f"file://{template}"), namespace, codec, chunk_tokens=chunk_tokens)
+        store.put_context(tokens, kv, levels=codec.levels)
+        store.backend.close()
+        _TEMPLATES[key] = template
+    shutil.copytree(template, root, copy_function=_link_blob)
+    return ContextStore(open_backend(f"file://{root}"), namespace, codec, chunk_tokens=chunk_tokens)
+
+
+def _link_blob(src: str, dst: str) -> None:
+    # The store never changes a payload file in place (it writes a new one and renames it), so the
+    # copies can share the template's; the index and the marker are copied and made durable, as the
+    # store's own writes are: dirty pages left to a later fsync stalled a timed load
+    if "/blobs/" in src:
+        os.link(src, dst)
+        return
+    shutil.copyfile(src, dst)
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

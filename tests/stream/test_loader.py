@@ -21,7 +21,7 @@ from cachegen.stream import (
     step,
 )
 from cachegen.stream.costs import TEXT
-from stream.fakes import FaultyStore, ToyCodec, ToyModel
+from stream.fakes import FaultyStore, ToyCodec, ToyModel, stored_context
 
 CHUNK = 32
 N_TOKENS = 6 * CHUNK + 10  # six full chunks and a partial one
@@ -33,9 +33,8 @@ def setup(tmp_path):
     codec = ToyCodec()
     tokens = [(7 * i + 3) % 101 for i in range(N_TOKENS)]
     ns = Namespace("toy-model", 1, "toy")
-    store = ContextStore(open_backend(f"file://{tmp_path / 'store'}"), ns, codec, chunk_tokens=CHUNK)
     kv = model.full(tokens, CHUNK)
-    store.put_context(tokens, kv, levels=codec.levels)
+    store = stored_context(tmp_path / "store", ns, codec, CHUNK, tokens, kv)
     yield model, codec, store, tokens, kv
     store.backend.close()
 
@@ -280,6 +279,10 @@ def test_real_codec_through_local_store(tmp_path):
 def test_cold_estimator_probes_then_persists_across_loads(setup):
     model, codec, store, tokens, _kv = setup
     est = ThroughputEstimator(min_bytes=0)  # no prior: cold
+    # the probe's ~600 bytes take 5 µs on the link, so its measured rate is the store's
+    # first read (0.5-5 ms): a slow one made recomputing the next chunk (42 ms at the default cost)
+    # look sooner than fetching it. Recompute is made dear: what is tested is the probe, then the level.
+    costs = CostModel(fetch_latency_s=0.0, recompute_s_per_token=0.05)
     loader = make_loader(
         store,
         codec,
@@ -287,7 +290,7 @@ def test_cold_estimator_probes_then_persists_across_loads(setup):
         link=ThrottledLink(constant(1.0)),
         estimator=est,
         slo_s=5.0,
-        costs=CostModel(fetch_latency_s=0.0),
+        costs=costs,
     )
     first = loader.load(tokens)
     sizes = store.plan(tokens)[0].sizes
@@ -300,7 +303,7 @@ def test_cold_estimator_probes_then_persists_across_loads(setup):
         link=ThrottledLink(constant(1.0)),
         estimator=est,
         slo_s=5.0,
-        costs=CostModel(fetch_latency_s=0.0),
+        costs=costs,
     ).load(tokens)
     assert again.choices[0] == 0  # the estimate carried over: no probe
 

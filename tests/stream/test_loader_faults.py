@@ -11,7 +11,7 @@ import torch
 
 from cachegen.errors import ConfigError, StoreUnavailable
 from cachegen.kv import KVCache
-from cachegen.store import ContextStore, Namespace, open_backend
+from cachegen.store import Namespace
 from cachegen.stream import (
     CostModel,
     LoaderOptions,
@@ -23,7 +23,7 @@ from cachegen.stream import (
     constant,
 )
 from cachegen.stream.costs import TEXT
-from stream.fakes import FaultyCodec, FaultyStore, ToyCodec, ToyModel
+from stream.fakes import FaultyCodec, FaultyStore, ToyCodec, ToyModel, stored_context
 
 CHUNK = 32
 N_TOKENS = 6 * CHUNK + 10  # six full chunks and a partial one
@@ -35,11 +35,8 @@ def setup(tmp_path):
     model = ToyModel()
     codec = ToyCodec()
     tokens = [(7 * i + 3) % 101 for i in range(N_TOKENS)]
-    store = ContextStore(
-        open_backend(f"file://{tmp_path / 'store'}"), Namespace("toy-model", 1, "toy"), codec, chunk_tokens=CHUNK
-    )
     kv = model.full(tokens, CHUNK)
-    store.put_context(tokens, kv, levels=codec.levels)
+    store = stored_context(tmp_path / "store", Namespace("toy-model", 1, "toy"), codec, CHUNK, tokens, kv)
     yield model, codec, store, tokens, kv
     store.backend.close()
 
