@@ -292,18 +292,12 @@ def stored_context(
 
 
 def _link_blob(src: str, dst: str) -> None:
-    # The store never changes a payload file in place (it writes a new one and renames it), so the
-    # copies can share the template's; the index and the marker are copied and made durable, as the
-    # store's own writes are: dirty pages left to a later fsync stalled a timed load
-    if "/blobs/" in src:
+    # the store never changes a payload file in place (it writes a new one and renames it), so the
+    # copies can share the template's; the index and the marker are copied
+    if Path(src).parent.parent.name == "blobs":
         try:
             os.link(src, dst)
             return
         except OSError:  # another filesystem (TMPDIR elsewhere than pytest's temporary directory)
             pass
     shutil.copyfile(src, dst)
-    fd = os.open(dst, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
