@@ -7,6 +7,7 @@ Usage::
     python tools/mutate.py --module keys --keep # reuse mutmut's earlier results for that module (see below)
     python tools/mutate.py --module keys --mutant 'cachegen.store.keys.x_chunk_keys*'   # re-run some mutants
     python tools/mutate.py --list               # the table: modules, files, test selections
+    python tools/mutate.py --rerun-equivalent   # also re-test the mutants judged equivalent (see below)
 
 Why one mutmut run per module: mutmut first runs the selected tests once ("stats") to learn which
 tests execute each function, then runs, for every mutant, only the tests that execute the mutated
@@ -38,6 +39,16 @@ from mutation.json's row, "not listed as a survivor" taken for "killed", and the
 local store found 60 survivors among mutants its row had counted as killed). A kept kill stays right
 when tests were only added; a kept survivor may be killed by a new test: name it to re-test it. After
 tests were removed from a selection, run the whole module again.
+
+Known equivalents are not re-run. A mutant listed in :data:`EQUIVALENT` survived every test when it
+was judged, and by the reason given it always will; re-running it costs a full pass over its tests
+(about 6 s each in the codec, 420 s of the 2-core machine over all modules). Each row of
+``mutation.json`` keeps, for its equivalent mutants, the hash mutmut gave their function's source
+(``equivalent_hashes``); the next run marks such a mutant survived without running it when its
+function's hash is the same and mutmut's version too (``equivalent_not_rerun`` counts them). A
+changed function renumbers its mutants, so its equivalents run again and their listing must be
+checked against the new numbers. ``--rerun-equivalent`` runs them all; so does a run with no
+``mutation.json``. Named ``--mutant`` mutants always run.
 
 Adding a module: add a row to :data:`MODULES`: its name, its source files (paths under ``src/``; a
 directory means every ``.py`` file below it) and the pytest arguments that select its tests (files,
@@ -315,19 +326,19 @@ _RANS_EQUIVALENT = {
     "model.x_min_bits__mutmut_3": "the largest of the per-table maxima is the maximum over all tables",
     "model.x_quantize_counts__mutmut_6": "c / c.sum() is true division: integer counts give the same float64 shares",
     "model.x_quantize_counts__mutmut_8": "c / c.sum() is true division: integer counts give the same float64 shares",
-    "model.x_quantize_counts__mutmut_27": "the float64 shares are assigned into the int64 f, which casts them the same",
-    "model.x_quantize_counts__mutmut_48": "numpy reads the sort kind case-insensitively ('STABLE' is 'stable')",
-    "model.x_quantize_counts__mutmut_55": "the loop runs only while diff != 0",
-    "model.x_quantize_counts__mutmut_58": _QDIFF,
-    **{f"model.x_quantize_counts__mutmut_{i}": _QDIFF for i in range(60, 74)},
+    "model.x_quantize_counts__mutmut_32": "the float64 shares are assigned into the int64 f, which casts them the same",
+    "model.x_quantize_counts__mutmut_53": "numpy reads the sort kind case-insensitively ('STABLE' is 'stable')",
+    "model.x_quantize_counts__mutmut_62": "the loop breaks at diff == 0 before this test",
+    "model.x_quantize_counts__mutmut_65": _QDIFF,
+    **{f"model.x_quantize_counts__mutmut_{i}": _QDIFF for i in range(67, 81)},
     "columns.x_encode_columns__mutmut_12": _KIDX,
     "columns.x_encode_columns__mutmut_14": _KIDX,
     "columns.x_decode_columns__mutmut_10": _KIDX,
     "columns.x_decode_columns__mutmut_12": _KIDX,
     "columns.x_decode_columns__mutmut_3": "integer stream lengths: np.asarray keeps them (cumsum writes int64 offsets)",
     "columns.x_decode_columns__mutmut_5": "integer stream lengths: np.asarray keeps them (cumsum writes int64 offsets)",
-    "model.x_quantize_counts__mutmut_79": "an entry at 1 gets step = min(step, f[j] - 1) = 0: the same as skipping it",
-    "model.x_quantize_counts__mutmut_106": "step <= max(1, (f[j] - 1) // 8) <= f[j] - 1 when f[j] > 1: the cap never binds",
+    "model.x_quantize_counts__mutmut_86": "an entry at 1 gets step = min(step, f[j] - 1) = 0: the same as skipping it",
+    "model.x_quantize_counts__mutmut_113": "step <= max(1, (f[j] - 1) // 8) <= f[j] - 1 when f[j] > 1: the cap never binds",
     "model.xǁTablesǁbuild__mutmut_38": "1.0 / np.maximum(freq, 1) never divides by zero: errstate(divide=...) changes nothing",
     "model.xǁTablesǁbuild__mutmut_77": "the int64 symbol ids are assigned into the lut of the symbol dtype, which casts them the same",
     "model.xǁTablesǁbuild__mutmut_79": "the int64 symbol ids are assigned into the lut of the symbol dtype, which casts them the same",
@@ -479,6 +490,11 @@ _LOCAL_EQUIVALENT = {
     "xǁLocalBackendǁ_write_marker__mutmut_4": "token_hex(5): only the temporary marker's name is longer",
     "xǁLocalBackendǁsizes_many__mutmut_9": "batches of 500 keys from every key: keys are asked again, with the same answers",
     "xǁLocalBackendǁ_init_schema__mutmut_23": "ALTER TABLE is always tried: the duplicate-column error it gets is swallowed",
+    "xǁLocalBackendǁ__init____mutmut_41": _SQLCASE,
+    "xǁLocalBackendǁ_drop__mutmut_29": _SQLCASE,
+    "xǁLocalBackendǁ_rebuild__mutmut_4": _SQLCASE,
+    "xǁLocalBackendǁ_rebuild__mutmut_61": _SQLCASE,
+    "x__read_regular__mutmut_10": "os.O_NOFOLLOW exists on every platform the store runs on (POSIX): the default is never read",
 }
 EQUIVALENT: dict[str, str] = {
     "cachegen.codec.container.x_pack_header__mutmut_9": _PID16 + " (bytes.fromhex('') padded = bytes(16))",
@@ -575,7 +591,9 @@ def prepare(m: Module, keep: bool) -> Path:
 # the middle of some other call, and its reset then removes the variable under that call: mutmut 3.8.1 fails
 # the stats run with LookupError (the codec's selection hits it; with the collector disabled it passes). The
 # variable only names the caller for mutmut's dependency tracking, not which tests reach a function, so a reset
-# that finds it gone is skipped.
+# that finds it gone is skipped. Second, the mutants of CACHEGEN_MUTATE_KNOWN_EQUIVALENT (name -> function hash,
+# from known_equivalent) whose function still has that hash are marked survived before mutmut picks the
+# mutants to run, so it skips them; their names are written to known_equivalent_skipped.json.
 _MUTMUT = """
 import sys
 from mutmut.core import MutmutCallStack
@@ -591,11 +609,50 @@ def _tolerant_reset(cls, token):
 
 
 MutmutCallStack.reset = classmethod(_tolerant_reset)
+import json
+import os
+
+import mutmut.__main__ as main
+
+_collect = main.collect_source_file_mutation_data
+_skip = json.loads(os.environ.get("CACHEGEN_MUTATE_KNOWN_EQUIVALENT") or "{}")
+
+
+def _without_known_equivalents(*, mutant_names):
+    mutants, by_path = _collect(mutant_names=mutant_names)
+    if mutant_names:
+        return mutants, by_path
+    out = []
+    for data, name, result in mutants:
+        fn = name.rpartition("__mutmut_")[0].rpartition(".")[2]
+        if result is None and name in _skip and _skip[name] == data.hash_by_function_name.get(fn):
+            data.exit_code_by_key[name] = 0
+            data.save()
+            result = 0
+        out.append((data, name, result))
+    with open("known_equivalent_skipped.json", "w") as f:
+        json.dump(sorted(n for data, n, r in out if n in _skip and r == 0 and n not in data.durations_by_key), f)
+    return out, by_path
+
+
+main.collect_source_file_mutation_data = _without_known_equivalents
 from mutmut.__main__ import cli
 
 sys.argv[0] = "mutmut"
 sys.exit(cli())
 """
+
+
+def known_equivalent(m: Module, rerun: bool) -> dict[str, str]:
+    """The module's mutants judged equivalent in its last run whose function is unchanged since: mutant ->
+    the hash mutmut gave its function then. The shim above marks them survived without running them."""
+    if rerun or not RESULT.exists():
+        return {}
+    old = json.loads(RESULT.read_text())
+    if old.get("mutmut") != _mutmut_version():  # another mutmut may hash or number differently
+        return {}
+    hashes = old.get("modules", {}).get(m.name, {}).get("equivalent_hashes", {})
+    return {n: h for n, h in hashes.items() if n in EQUIVALENT}
 
 
 def _mutmut() -> list[str]:
@@ -606,9 +663,10 @@ def _mutmut() -> list[str]:
     return [sys.executable, "-c", _MUTMUT]
 
 
-def run_module(m: Module, keep: bool, children: int, mutants: list[str]) -> dict:
+def run_module(m: Module, keep: bool, children: int, mutants: list[str], rerun_equivalent: bool = False) -> dict:
     """Run mutmut over one module; its results."""
     work = prepare(m, keep)
+    skip = known_equivalent(m, rerun_equivalent)
     env = dict(os.environ)
     env.update(
         {
@@ -619,8 +677,10 @@ def run_module(m: Module, keep: bool, children: int, mutants: list[str]) -> dict
             "MKL_NUM_THREADS": "1",
             "NUMBA_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            "CACHEGEN_MUTATE_KNOWN_EQUIVALENT": json.dumps(skip),
         }
     )
+    (work / "known_equivalent_skipped.json").unlink(missing_ok=True)
     before = read_meta(m, work) if mutants else {}
     row = _old_row(m)
     t0 = time.monotonic()
@@ -630,6 +690,8 @@ def run_module(m: Module, keep: bool, children: int, mutants: list[str]) -> dict
     seconds = time.monotonic() - t0
     kept = merge_meta(m, work, before) if mutants else 0
     res = collect(m, work)
+    skipped = work / "known_equivalent_skipped.json"
+    res["equivalent_not_rerun"] = len(json.loads(skipped.read_text())) if skipped.exists() else 0
     res["seconds"] = round(seconds, 1)
     if mutants:
         res["merged"] = kept
@@ -688,8 +750,10 @@ def _old_row(m: Module) -> dict:
 def collect(m: Module, work: Path) -> dict:
     """Counts per class, the score and the survivors' names from mutmut's ``.meta`` files."""
     codes: dict[str, int | None] = {}
+    hashes: dict[str, str] = {}
     for meta in read_meta(m, work).values():
         codes.update(meta["exit_code_by_key"])
+        hashes.update(meta.get("hash_by_function_name", {}))
     by = {name: status(code) for name, code in codes.items()}
     count = lambda s: sum(1 for v in by.values() if v == s)
     survivors = sorted(n for n, s in by.items() if s in ("survived", "no tests"))
@@ -711,6 +775,8 @@ def collect(m: Module, work: Path) -> dict:
         "score": round((killed + timeout) / scored, 4) if scored else None,
         "survivors": [n for n in survivors if n not in EQUIVALENT],
         "equivalent_mutants": equivalent,
+        # what a later run skips while the function is unchanged (known_equivalent)
+        "equivalent_hashes": {n: hashes[_function(n)] for n in equivalent if _function(n) in hashes},
         "not_killed_other": sorted(n for n, s in by.items() if s not in ("killed", "timeout", "survived", "no tests")),
     }
 
@@ -748,6 +814,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="reuse mutmut's earlier results in mutants/<module>/")
     ap.add_argument("--mutant", action="append", default=[], help="only these mutants (mutmut names or globs)")
     ap.add_argument("--max-children", type=int, default=2, help="mutants tested at once (default 2)")
+    ap.add_argument(
+        "--rerun-equivalent",
+        action="store_true",
+        help="also run the mutants judged equivalent whose function is unchanged since (skipped by default)",
+    )
     ap.add_argument("--list", action="store_true", help="print the table and exit")
     a = ap.parse_args(argv)
     chosen = [m for m in MODULES if not a.module or m.name in a.module]
@@ -759,9 +830,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--mutant needs exactly one --module")
     results = {}
     for m in chosen:
-        results[m.name] = run_module(m, a.keep or bool(a.mutant), a.max_children, a.mutant)
-        results[m.name]["command"] = f"python tools/mutate.py --module {m.name}" + "".join(
-            f" --mutant '{g}'" for g in a.mutant
+        results[m.name] = run_module(m, a.keep or bool(a.mutant), a.max_children, a.mutant, a.rerun_equivalent)
+        results[m.name]["command"] = (
+            f"python tools/mutate.py --module {m.name}"
+            + "".join(f" --mutant '{g}'" for g in a.mutant)
+            + (" --rerun-equivalent" if a.rerun_equivalent else "")
         )
         r = results[m.name]
         print(

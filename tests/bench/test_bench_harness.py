@@ -230,8 +230,21 @@ def test_bench_all_quick_on_a_tiny_model(tmp_path, tiny_lm, monkeypatch):
     d = tmp_path / "tiny"
     tiny_lm.model.save_pretrained(d)
     tiny_lm.tokenizer.save_pretrained(d)
+    from cachegen.bench import scale
+
     small = {"quality": (96, 12), "needle": (96, 2), "ttft": 96, "codec": None}
     monkeypatch.setitem(bench_all.SIZES, "quick", small)
+    # the scale section's rows come from fresh processes (test_bench_scale.py runs them for real on this
+    # model); here they are stubbed, so the test sees how `bench all` asks for them and writes them
+    asked = []
+    row = {"model": str(tmp_path / "tiny"), "context_tokens": 96, "method": "adaptive", "bandwidth_gbps": 1.0}
+    row |= {"level": None, "ttft_s": 0.25, "peak_rss_mb": 420.0, "base_rss_mb": 400.0, "kv_mb": 1.5}
+
+    def fake_run_scale(plan, **kw):
+        asked.append((plan, kw))
+        return {"bandwidths_gbps": [1.0], "rows": [row]}
+
+    monkeypatch.setattr(scale, "run_scale", fake_run_scale)
     out = tmp_path / "out"
     rc = main(
         [
@@ -256,6 +269,13 @@ def test_bench_all_quick_on_a_tiny_model(tmp_path, tiny_lm, monkeypatch):
         assert part in md
     for f in ("quality.json", "needle.json", "ttft.json", "quality.png", "needle.png", "ttft.png", "timings.json"):
         assert (out / f).stat().st_size > 0
+    # scale: one row plan for the model at the quick ttft size, without the project codec (not among --codecs)
+    from cachegen.bench.plots import table
+    from cachegen.engine.dtype import auto_dtype_name
+
+    assert asked == [([scale.ModelPlan(str(d), (96,))], {"dtype": auto_dtype_name(), "project_codec": False})]
+    assert json.loads((out / "scale.json").read_text())["rows"] == [row]
+    assert "## Scaling with context length" in md and table([row], scale.SCALE_COLS, markdown=True) in md
     tt = json.loads((out / "ttft.json").read_text())
     assert {r["method"] for r in tt["rows"]} == {"recompute", "fp16", "kivi2", "cachegen-released", "adaptive"}
     assert sorted({r["bandwidth_gbps"] for r in tt["rows"]}) == [0.1, 1.0, 10.0]

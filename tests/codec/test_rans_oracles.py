@@ -625,6 +625,9 @@ def test_quantize_counts_refusals():
         rans.quantize_counts(np.array([0, -1]), 12)
     with pytest.raises(CodecError, match=exactly("5 symbols do not fit precision 2")):
         rans.quantize_counts(np.ones(5), 2)
+    for bad in (np.nan, np.inf, -np.inf):  # a NaN share would cast to a huge int64 and the total never fix
+        with pytest.raises(CodecError, match=exactly("counts must be finite numbers")):
+            rans.quantize_counts(np.array([3.0, bad, 1.0]), 12)
     assert rans.quantize_counts(np.ones(4), 2).tolist() == [1, 1, 1, 1]  # exactly as many as fit
     assert rans.quantize_counts([2, -3, 2], 1).tolist() == [1, 0, 1]  # negatives count as absent, a list is taken
 

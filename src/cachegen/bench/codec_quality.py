@@ -120,7 +120,8 @@ def main(argv=None) -> None:
         loaded = load_model(a.model)
         t = time.perf_counter()
         profile = load_or_calibrate(loaded, refresh=True)
-        log.info("calibrated profile %s in %.1f s", profile.id, time.perf_counter() - t)
+        # printed, not logged: this module configures no logging, and the time is what --recalibrate is for
+        print(f"calibrated profile {profile.id} in {time.perf_counter() - t:.1f} s", flush=True)
     rows = run_rate_quality(
         a.model,
         a.context,

@@ -16,7 +16,8 @@ any transformers causal LM.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import cast
 
 import numpy as np
@@ -35,6 +36,24 @@ def context_kv(model, context_ids: torch.Tensor) -> KVCache:
         return from_transformers(out.cache, model.config)
 
 
+@contextmanager
+def _frozen(model) -> Iterator[None]:
+    """The model's parameters without ``requires_grad`` for the duration (restored after).
+
+    Why: only the KV's gradients are read. With the weights requiring gradients (transformers' default),
+    every backward pass also computed each weight's gradient (as much work again as the KV's, and the
+    activations kept for it) and left them accumulated on the model: 4 bytes per parameter, held by the
+    Engine's model for as long as it served."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
 def _sampled_grads(
     model, kv: KVCache, cont_ids: torch.Tensor, g: torch.Generator
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -42,11 +61,12 @@ def _sampled_grads(
     of a continuation sampled from the model (one backward pass): an empirical Fisher sample."""
     leaves = [(l.k.clone().requires_grad_(True), l.v.clone().requires_grad_(True)) for l in kv.layers]
     kv_g = KVCache([KVLayer(k, v, l.kind, l.window) for (k, v), l in zip(leaves, kv.layers)], start=0)
-    logits = model(input_ids=cont_ids[None], cache=to_transformers(kv_g, model.config), use_cache=True).logits[0]
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    with torch.no_grad():
-        y = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
-    logp.gather(1, y[:, None]).sum().backward()
+    with _frozen(model):
+        logits = model(input_ids=cont_ids[None], cache=to_transformers(kv_g, model.config), use_cache=True).logits[0]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        with torch.no_grad():
+            y = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
+        logp.gather(1, y[:, None]).sum().backward()
     return leaves
 
 

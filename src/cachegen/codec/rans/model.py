@@ -66,6 +66,8 @@ def quantize_counts(counts: np.ndarray, precision: int) -> np.ndarray:
     """Integer frequencies summing to ``2**precision``, nonzero exactly where counts > 0."""
     m = 1 << precision
     c = np.asarray(counts, dtype=np.float64)
+    if not np.isfinite(c).all():
+        raise CodecError("counts must be finite numbers")
     nz = c > 0
     k = int(nz.sum())
     if k == 0:
@@ -74,11 +76,15 @@ def quantize_counts(counts: np.ndarray, precision: int) -> np.ndarray:
         raise CodecError(f"{k} symbols do not fit precision {precision}")
     f = np.zeros(c.size, dtype=np.int64)
     f[nz] = np.maximum(1, np.floor(c[nz] / c.sum() * m + 0.5)).astype(np.int64)
-    # fix the total: take from / give to the largest entries, never below 1
+    # fix the total: take from / give to the largest entries, never below 1. Each step moves diff towards 0
+    # by at least 1, or (diff < 0) skips an entry at 1; some entry is above 1 while the total exceeds m >= k,
+    # so every k steps gain at least 1 and k * |diff| steps always suffice: the bound costs nothing and
+    # turns a rule broken by a later edit into a wrong total, which the tests see, instead of a hang
     diff = m - int(f.sum())
     order = np.argsort(-f, kind="stable")
-    i = 0
-    while diff != 0:
+    for i in range(k * abs(diff)):
+        if diff == 0:
+            break
         j = order[i % k]
         if diff > 0:
             step = max(1, min(diff, f[j] // 8 + 1)) if diff > k else 1
@@ -89,7 +95,6 @@ def quantize_counts(counts: np.ndarray, precision: int) -> np.ndarray:
             step = min(step, f[j] - 1)
             f[j] -= step
             diff += step
-        i += 1
     return f
 
 
