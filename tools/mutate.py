@@ -750,10 +750,11 @@ def _old_row(m: Module) -> dict:
 def collect(m: Module, work: Path) -> dict:
     """Counts per class, the score and the survivors' names from mutmut's ``.meta`` files."""
     codes: dict[str, int | None] = {}
-    hashes: dict[str, str] = {}
+    hashes: dict[str, str] = {}  # mutant -> its function's hash, per file (two files may name a function alike)
     for meta in read_meta(m, work).values():
         codes.update(meta["exit_code_by_key"])
-        hashes.update(meta.get("hash_by_function_name", {}))
+        fh = meta.get("hash_by_function_name", {})
+        hashes.update({n: fh[_function(n)] for n in meta["exit_code_by_key"] if _function(n) in fh})
     by = {name: status(code) for name, code in codes.items()}
     count = lambda s: sum(1 for v in by.values() if v == s)
     survivors = sorted(n for n, s in by.items() if s in ("survived", "no tests"))
@@ -776,7 +777,7 @@ def collect(m: Module, work: Path) -> dict:
         "survivors": [n for n in survivors if n not in EQUIVALENT],
         "equivalent_mutants": equivalent,
         # what a later run skips while the function is unchanged (known_equivalent)
-        "equivalent_hashes": {n: hashes[_function(n)] for n in equivalent if _function(n) in hashes},
+        "equivalent_hashes": {n: hashes[n] for n in equivalent if n in hashes},
         "not_killed_other": sorted(n for n, s in by.items() if s not in ("killed", "timeout", "survived", "no tests")),
     }
 
