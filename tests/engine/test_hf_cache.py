@@ -85,3 +85,21 @@ def test_to_transformers_checks_layout(smollm2):
     short = KVCache(kv.layers[:-1])
     with pytest.raises(ConfigError):
         to_transformers(short, smollm2.config)
+
+
+def test_inject_holds_full_layers_without_copy_and_never_writes_them():
+    """Full layers take the KV's tensors as they are (no copy before the first step); decoding on the
+    cache grows it by concatenation, so the KV the load produced is left unchanged."""
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama()
+    ids = torch.randint(0, 512, (1, 60), generator=torch.Generator().manual_seed(3))
+    kv = _extract(model, ids[:, :40])
+    before = [(l.k.clone(), l.v.clone()) for l in kv.layers]
+    cache = to_transformers(kv, model.config)
+    assert all(c.keys.data_ptr() == l.k.data_ptr() for c, l in zip(cache.layers, kv.layers))
+    with torch.inference_mode():
+        got = model(input_ids=ids[:, 40:], cache=cache, use_cache=True).logits
+    assert cache.get_seq_length() == 60
+    assert all(torch.equal(l.k, k) and torch.equal(l.v, v) for l, (k, v) in zip(kv.layers, before))
+    assert torch.equal(got, _reference(model, ids[:, :40], ids[:, 40:]))

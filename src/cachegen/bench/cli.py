@@ -39,6 +39,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 #: bench command -> (module with ``register(sub)``, one-line help shown by ``cachegen bench --help``)
 BENCHES: dict[str, tuple[str, str]] = {
     "codec": ("cachegen.bench.codec_bench", "codec speed and bits/value on a real model's KV"),
+    "attention": (
+        "cachegen.bench.attention_bench",
+        "the step after a loaded cache on sdpa and on cachegen_sdpa, taking turns",
+    ),
     "stream": ("cachegen.bench.stream_bench", "TTFT and quality of streamed loads under a bandwidth trace"),
     "vllm": (
         "cachegen.bench.vllm_bench",

@@ -21,6 +21,7 @@ from cachegen.calibrate.sensitivity import context_kv, fisher_matrices, token_se
 from cachegen.codec.fit import calibrate
 from cachegen.codec.profile import KL_TARGETS, LEVELS, Profile
 from cachegen.codec.rope import RopeSpec
+from cachegen.engine.attention import stock_sdpa
 
 log = logging.getLogger(__name__)
 
@@ -121,60 +122,65 @@ def calibrate_for_model(
     n_importance: int = 2,
     importance_samples: int = 1,
 ) -> Profile:
-    """Profile for ``loaded_model`` (an engine ``LoadedModel``) from calibration ``texts``."""
-    model, tok = loaded_model.model, loaded_model.tokenizer
-    if texts:
-        text = "\n\n".join(texts)
-    else:
-        from cachegen import corpus
+    """Profile for ``loaded_model`` (an engine ``LoadedModel``) from calibration ``texts``
+    (on transformers' own attention: :func:`~cachegen.engine.attention.stock_sdpa`)."""
+    with stock_sdpa(loaded_model.model):
+        model, tok = loaded_model.model, loaded_model.tokenizer
+        if texts:
+            text = "\n\n".join(texts)
+        else:
+            from cachegen import corpus
 
-        text = corpus.text("calib")
-    ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
-    need = n_samples * sample_tokens
-    if ids.numel() < max(need, fisher_context + fisher_cont):
-        raise ValueError(f"calibration text too short: {ids.numel()} tokens")
-    samples = [context_kv(model, ids[i * sample_tokens : (i + 1) * sample_tokens]) for i in range(n_samples)]
-    span = fisher_context + fisher_cont
-    # Fisher contexts: after the PCA samples when the text is long enough, else from the start
-    f0 = need if ids.numel() >= need + n_fisher * span else 0
-    n_f = max(1, min(n_fisher, (ids.numel() - f0) // span))
-    pairs = [
-        (ids[f0 + j * span : f0 + j * span + fisher_context], ids[f0 + j * span + fisher_context : f0 + (j + 1) * span])
-        for j in range(n_f)
-    ]
-    rope = rope_specs(model) if pre_rope else None
-    sens = fisher_matrices(model, pairs, samples=fisher_samples, rope=rope)
-    # token importance: long contexts (position and distance effects as in use), after the Fisher text
-    ispan = importance_context + importance_cont
-    i0 = f0 + n_f * span
-    if ids.numel() < i0 + ispan:
-        i0 = 0
-    n_i = min(n_importance, (ids.numel() - i0) // ispan) if n_importance > 0 else 0
-    ipairs = [
-        (
-            ids[i0 + j * ispan : i0 + j * ispan + importance_context],
-            ids[i0 + j * ispan + importance_context : i0 + (j + 1) * ispan],
+            text = corpus.text("calib")
+        ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
+        need = n_samples * sample_tokens
+        if ids.numel() < max(need, fisher_context + fisher_cont):
+            raise ValueError(f"calibration text too short: {ids.numel()} tokens")
+        samples = [context_kv(model, ids[i * sample_tokens : (i + 1) * sample_tokens]) for i in range(n_samples)]
+        span = fisher_context + fisher_cont
+        # Fisher contexts: after the PCA samples when the text is long enough, else from the start
+        f0 = need if ids.numel() >= need + n_fisher * span else 0
+        n_f = max(1, min(n_fisher, (ids.numel() - f0) // span))
+        pairs = [
+            (
+                ids[f0 + j * span : f0 + j * span + fisher_context],
+                ids[f0 + j * span + fisher_context : f0 + (j + 1) * span],
+            )
+            for j in range(n_f)
+        ]
+        rope = rope_specs(model) if pre_rope else None
+        sens = fisher_matrices(model, pairs, samples=fisher_samples, rope=rope)
+        # token importance: long contexts (position and distance effects as in use), after the Fisher text
+        ispan = importance_context + importance_cont
+        i0 = f0 + n_f * span
+        if ids.numel() < i0 + ispan:
+            i0 = 0
+        n_i = min(n_importance, (ids.numel() - i0) // ispan) if n_importance > 0 else 0
+        ipairs = [
+            (
+                ids[i0 + j * ispan : i0 + j * ispan + importance_context],
+                ids[i0 + j * ispan + importance_context : i0 + (j + 1) * ispan],
+            )
+            for j in range(n_i)
+        ]
+        idata = token_sensitivity(model, ipairs, samples=importance_samples) if ipairs else None
+        meta = {
+            "calibration": "calib" if not texts else "custom",
+            "sample_tokens": sample_tokens,
+            "n_samples": n_samples,
+            "n_fisher": n_f,
+            "n_importance": n_i,
+        }
+        return calibrate(
+            samples,
+            loaded_model.fingerprint,
+            use_pca=use_pca,
+            sensitivity=sens,
+            kl_scale=kl_scale,
+            meta=meta,
+            rope=rope,
+            importance_data=idata,
         )
-        for j in range(n_i)
-    ]
-    idata = token_sensitivity(model, ipairs, samples=importance_samples) if ipairs else None
-    meta = {
-        "calibration": "calib" if not texts else "custom",
-        "sample_tokens": sample_tokens,
-        "n_samples": n_samples,
-        "n_fisher": n_f,
-        "n_importance": n_i,
-    }
-    return calibrate(
-        samples,
-        loaded_model.fingerprint,
-        use_pca=use_pca,
-        sensitivity=sens,
-        kl_scale=kl_scale,
-        meta=meta,
-        rope=rope,
-        importance_data=idata,
-    )
 
 
 def load_or_calibrate(loaded_model, refresh: bool = False) -> Profile:
