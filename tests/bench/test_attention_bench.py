@@ -29,3 +29,19 @@ def test_refuses_what_it_cannot_compare():
     model.set_attn_implementation("eager")
     with pytest.raises(ConfigError, match="runs 'eager' attention"):
         run_attention(model, [1, 2], [3])
+
+
+def test_compares_both_while_the_environment_keeps_sdpa(monkeypatch):
+    """With CACHEGEN_ATTENTION=sdpa no model is switched, so nothing may have registered cachegen_sdpa yet:
+    the benchmark registers it itself."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    monkeypatch.delitem(AttentionInterface._global_mapping, attention.NAME, raising=False)
+    monkeypatch.delitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, attention.NAME, raising=False)
+    monkeypatch.setenv(attention.ENV, "sdpa")
+    model = tiny_llama()
+    assert not attention.install(model)
+    rows = run_attention(model, list(range(1, 41)), list(range(50, 54)), rounds=1)
+    assert [r["attention"] for r in rows] == list(IMPLEMENTATIONS)
+    assert model.config._attn_implementation == "sdpa"

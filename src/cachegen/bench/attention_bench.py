@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from cachegen.engine.attention import NAME, install
+from cachegen.engine import attention
+from cachegen.engine.attention import NAME
 from cachegen.engine.hf_cache import to_transformers
 from cachegen.engine.prefill import prefill
 from cachegen.errors import ConfigError
@@ -46,7 +47,7 @@ def run_attention(model, ctx: Sequence[int], tail: Sequence[int], rounds: int = 
     times: dict[str, list[float]] = {a: [] for a in IMPLEMENTATIONS}
     logits: dict[str, torch.Tensor] = {}
     try:
-        install(model)  # registers the implementation (it may be switched off by $CACHEGEN_ATTENTION)
+        attention.register()  # both are compared whatever $CACHEGEN_ATTENTION says
         for _ in range(rounds + 1):  # the first round warms both up and is not counted
             for a in IMPLEMENTATIONS:
                 model.set_attn_implementation(a)

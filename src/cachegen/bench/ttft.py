@@ -253,8 +253,9 @@ def run_ttft(
     ``ttft_s`` is the best of ``repeats`` runs (``recompute_repeats`` for
     recompute, whose long prefill is less sensitive to noise): on a shared
     machine the noise only ever adds time. The methods take turns, one run of each per
-    round, so that a machine whose speed drifts during the benchmark moves them all alike. Each codec's chunks are stored once
-    (encoded with the store's chunk keys) before the clock runs. ``adaptive``:
+    round, so that a machine whose speed drifts during the benchmark moves them all alike.
+    Each codec's chunks are stored once (encoded with the store's chunk keys) before the
+    clock runs. ``adaptive``:
     also the ``adaptive`` method (:func:`time_adaptive` over :func:`adaptive_ladder`,
     its cost model measured before the clock runs, one untimed load per bandwidth first so
     that its estimator knows the link; its rows add ``formats``, the rungs it chose, and
@@ -276,13 +277,13 @@ def run_ttft(
                 ladder = next(m.codec for m in staged if m.kind == "adaptive")
                 costs = adaptive_costs(model, ladder, kv, ctx, chunk_tokens, latency_s)
             vpt = kv.num_values // kv.num_tokens
+            want = [max(1, recompute_repeats if m.kind == "recompute" else repeats) for m in staged]
             for gbps in bandwidths_gbps:
                 bench.set_bandwidth(gbps)
                 estimator = ThroughputEstimator()  # one per link, as the engine keeps it
                 for m in staged:
                     if m.kind == "adaptive":  # untimed: the estimator has seen this link once, as a server's has
                         time_method(model, bench, m, ctx, tail, costs, estimator, vpt)
-                want = [max(1, recompute_repeats if m.kind == "recompute" else repeats) for m in staged]
                 runs: list[list[dict]] = [[] for _ in staged]
                 for rep in range(max(want)):  # round-robin: a machine that slows down mid-run slows every method
                     for i, m in enumerate(staged):

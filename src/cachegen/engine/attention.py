@@ -63,23 +63,28 @@ def gqa_sdpa_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def register() -> None:
+    """Make :data:`NAME` known to transformers (its attention function, and stock ``sdpa`` masks).
+    Registering again only sets the same entries."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, gqa_sdpa_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
 def install(model) -> bool:
     """Switch ``model`` from ``sdpa`` to :func:`gqa_sdpa_forward` (same masks); True if it was switched.
 
     A model on another attention implementation, or one that cannot switch, is left as it is;
     so is every model while ``$CACHEGEN_ATTENTION`` is ``sdpa`` (transformers' own, to compare
     or to rule the swap out)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
     choice = os.environ.get(ENV, NAME) or NAME
     if choice not in (NAME, "sdpa"):
         raise ConfigError(f"{ENV}={choice!r}: use {NAME} (the default) or sdpa")
     if choice == "sdpa" or getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
-    if NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(NAME, gqa_sdpa_forward)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    register()
     try:
         model.set_attn_implementation(NAME)
     except (ValueError, ImportError) as e:  # a model class that pins its attention

@@ -144,10 +144,10 @@ class Tables:
         return cls(prec, freq, cum, inv, lut, packed, np.ascontiguousarray(freq | (cum << 16)))
 
     @functools.cached_property
-    def min_bits(self) -> float:
-        """:func:`min_bits`, computed once: every section's decode checks its budget against it
-        (a scan of all the padded tables, 20 us, was 3% of a 256-token chunk's decode)."""
-        return _min_bits(self.freq, self.precision)
+    def fewest_bits(self) -> float:
+        """:func:`min_bits` of these tables, computed once: every section's decode checks its budget
+        against it (a scan of all the padded tables, 20 us, was 3% of a 256-token chunk's decode)."""
+        return min_bits(self)
 
     @property
     def n_tables(self) -> int:
@@ -164,11 +164,7 @@ class Tables:
 
 def min_bits(tables: Tables) -> float:
     """The fewest bits any symbol of ``tables`` can cost (from its most probable symbol)."""
-    return tables.min_bits
-
-
-def _min_bits(freq: np.ndarray, precision: int) -> float:
-    pmax = freq.max(axis=1) / float(1 << precision)
+    pmax = tables.freq.max(axis=1) / float(1 << tables.precision)
     return float(-np.log2(pmax.max()))
 
 
@@ -179,5 +175,5 @@ def check_budget(n: int, streams: int, nwords: int, tables: Tables, what: str) -
     that gives one symbol probability ~1 bounds nothing, so callers that read their tables
     from the input bound the symbol count independently too."""
     total = n * streams
-    if total > MAX_SYMBOLS or total * min_bits(tables) > 16 * nwords + 64 * streams + 64:
+    if total > MAX_SYMBOLS or total * tables.fewest_bits > 16 * nwords + 64 * streams + 64:
         raise CorruptChunk(f"{what}: symbol count inconsistent with payload size")
