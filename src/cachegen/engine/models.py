@@ -233,11 +233,11 @@ def converted_dir(name: str) -> Path:
 def _load_dir(d: Path, name: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cachegen.engine.attention import install
+    from cachegen.engine import attention
 
     model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
     model.eval()
-    install(model)  # grouped heads read in place: the same logits, a faster step after a loaded cache
+    attention.install(model)  # grouped heads read in place: the same logits, a faster step after a loaded cache
     tok = AutoTokenizer.from_pretrained(d)
     return LoadedModel(name=name, model=model, tokenizer=tok, fingerprint=_fingerprint_dir(d), path=d)
 
@@ -248,9 +248,13 @@ def load_model(
     """Load ``smollm2-135m``, ``gemma3-270m`` or a local Hugging Face model directory (``dtype`` default fp32)."""
     import torch
 
+    from cachegen.engine import attention
     from cachegen.progress import quiet_transformers
 
     quiet_transformers()
+    # a bad setting is reported here, before anything loads: raised from inside the load, it would be
+    # taken for a damaged model (a ValueError) and the shipped model converted again
+    attention.configured()
     dtype = torch.float32 if dtype is None else dtype
     p = Path(name_or_path).expanduser()
     if name_or_path not in MODELS:
