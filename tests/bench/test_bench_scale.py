@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 
 import pytest
 import torch
@@ -14,9 +15,11 @@ def test_the_peak_rss_probe_sees_an_allocation_after_a_reset():
     mem = PeakRss()
     mem.reset()
     before = mem.peak_mb()
-    x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
-    assert mem.peak_mb() - before >= 60, (before, mem.peak_mb())
-    del x
+    # 64 MiB of fresh pages, touched: an anonymous mapping (malloc may hand back memory that
+    # earlier tests freed and that is still resident, which would not raise the peak)
+    with mmap.mmap(-1, 64 << 20) as m:
+        m.write(b"\1" * (64 << 20))
+        assert mem.peak_mb() - before >= 60, (before, mem.peak_mb())
 
 
 def test_the_default_plan_stays_within_each_models_positions():

@@ -53,6 +53,8 @@ def test_stream_back_and_answer(engine, case):
     res = engine.load(case.context_ids, slo_s=None)  # no deadline: the best level everywhere
     assert res.cached_tokens == len(case.context_ids) and not res.faults
     assert res.choices == [1] * len(res.decisions)
+    # each load teaches the engine's rates (kept across loads, as its estimator is) its decode times
+    assert engine.rates.known and engine.loader().rates is engine.rates
     err = max((a.k - b.k).abs().max().item() for a, b in zip(res.kv.layers, exact.layers))
     scale = max(a.k.abs().max().item() for a in exact.layers)
     assert 0 < err < 0.05 * scale

@@ -159,8 +159,8 @@ def test_the_predicted_decode_counts_the_chunks_values(setup):
     costs = CostModel(decode_fixed_s=0.001, decode_s_per_mvalue={0: 2.0}, decode_s_per_mvalue_default=2.0)
     ld = StreamingLoader(store, codec, model.recompute, costs=costs)
     run = loader_mod._Load(ld, tokens, 1.0, 0.0)
-    assert run.predicted(PlanChunk(0, 0, 32, 1_000_000, {0: 1}), 0) == costs.decode_s(0, 1_000_000)
-    assert run.predicted(PlanChunk(0, 0, 32, 0, {0: 1}), 0) == costs.decode_s(0, 1)  # no count: one value
+    assert run.predicted(costs, PlanChunk(0, 0, 32, 1_000_000, {0: 1}), 0) == costs.decode_s(0, 1_000_000)
+    assert run.predicted(costs, PlanChunk(0, 0, 32, 0, {0: 1}), 0) == costs.decode_s(0, 1)  # no count: one value
 
 
 def _spy_on_decide(monkeypatch) -> list[dict]:

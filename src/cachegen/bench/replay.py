@@ -33,6 +33,7 @@ from cachegen.errors import ConfigError
 from cachegen.kv import KVCache, KVLayer
 from cachegen.store import ChunkInfo, ChunkRef
 from cachegen.stream import (
+    ComputeRates,
     CostModel,
     LoaderOptions,
     LoadResult,
@@ -148,6 +149,7 @@ def replay_load(
     cpu_noise: float = 0.2,
     seed: int = 0,
     compute_s: Callable[[int, Choice], float] | None = None,
+    rates: ComputeRates | None = None,
 ) -> ReplayResult:
     """One load of ``chunks`` by the loader in virtual time over a link following ``trace``.
 
@@ -156,7 +158,8 @@ def replay_load(
     replays to carry the estimate from load to load, as the engine does. ``latency_s``:
     per fetch (default ``costs.fetch_latency_s``). ``compute_s(position, choice)``
     overrides the true compute seconds (default: the cost model's prediction times
-    ``exp(N(0, cpu_noise))``, drawn in the order the chunks are computed)."""
+    ``exp(N(0, cpu_noise))``, drawn in the order the chunks are computed). ``rates``: the
+    loader's measured compute speed; pass one across replays as the engine keeps one."""
     if not chunks:
         raise ConfigError("nothing to replay: no chunks")
     c0 = chunks[0]
@@ -178,6 +181,7 @@ def replay_load(
         costs=costs,
         link=link,
         estimator=estimator or ThroughputEstimator(),
+        rates=rates,
         clock=clock,
         runner=VirtualRunner(clock),
     )

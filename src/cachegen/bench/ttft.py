@@ -45,6 +45,7 @@ from cachegen.store.backend import ChunkWrite
 from cachegen.stream import (
     FASTEST,
     TEXT,
+    ComputeRates,
     CostModel,
     DirectLink,
     FormatLadder,
@@ -193,13 +194,15 @@ def time_adaptive(
     ctx: Sequence[int],
     tail: Sequence[int],
     values_per_token: int,
+    rates: ComputeRates | None = None,
 ) -> dict:
     """One request by the ``fastest`` policy over ``ladder``: per chunk the rung (or text) that
-    ends the load soonest by the cost model and the estimate of the link (``estimator``: one
-    per link, kept across loads as the engine keeps it)."""
+    ends the load soonest by the cost model (corrected by ``rates``, the decode and recompute
+    times of earlier loads) and the estimate of the link (``estimator``: one per link); both
+    kept across loads, as the engine keeps them."""
     opts = LoaderOptions(policy=FASTEST, slo_s=None, dtype=model.dtype, values_per_token=values_per_token)
     loader = StreamingLoader(
-        store, ladder, _recompute_fn(model), opts, costs=costs, link=bench.link, estimator=estimator
+        store, ladder, _recompute_fn(model), opts, costs=costs, link=bench.link, estimator=estimator, rates=rates
     )
     row, res = _time_load(model, loader, ctx, tail, "adaptive")
     row["formats"] = dict(Counter("text" if c == TEXT else ladder.label(int(c)) for c in res.choices))
@@ -257,8 +260,9 @@ def run_ttft(
     Each codec's chunks are stored once (encoded with the store's chunk keys) before the
     clock runs. ``adaptive``:
     also the ``adaptive`` method (:func:`time_adaptive` over :func:`adaptive_ladder`,
-    its cost model measured before the clock runs, one untimed load per bandwidth first so
-    that its estimator knows the link; its rows add ``formats``, the rungs it chose, and
+    its cost model measured before the clock runs and corrected by the decode times of its
+    earlier loads, one untimed load per bandwidth first so that its estimator knows the link
+    and its rates this machine; its rows add ``formats``, the rungs it chose, and
     ``size_bytes`` is what it fetched).
     """
     if not bandwidths_gbps or any(b <= 0 for b in bandwidths_gbps):
@@ -277,18 +281,19 @@ def run_ttft(
                 ladder = next(m.codec for m in staged if m.kind == "adaptive")
                 costs = adaptive_costs(model, ladder, kv, ctx, chunk_tokens, latency_s)
             vpt = kv.num_values // kv.num_tokens
+            rates = ComputeRates()  # one per machine, kept across loads (the engine keeps one)
             want = [max(1, recompute_repeats if m.kind == "recompute" else repeats) for m in staged]
             for gbps in bandwidths_gbps:
                 bench.set_bandwidth(gbps)
                 estimator = ThroughputEstimator()  # one per link, as the engine keeps it
                 for m in staged:
                     if m.kind == "adaptive":  # untimed: the estimator has seen this link once, as a server's has
-                        time_method(model, bench, m, ctx, tail, costs, estimator, vpt)
+                        time_method(model, bench, m, ctx, tail, costs, estimator, vpt, rates)
                 runs: list[list[dict]] = [[] for _ in staged]
                 for rep in range(max(want)):  # round-robin: a machine that slows down mid-run slows every method
                     for i, m in enumerate(staged):
                         if rep < want[i]:
-                            runs[i].append(time_method(model, bench, m, ctx, tail, costs, estimator, vpt))
+                            runs[i].append(time_method(model, bench, m, ctx, tail, costs, estimator, vpt, rates))
                 for m, mruns in zip(staged, runs):
                     r = min(mruns, key=lambda r: r["ttft_s"])
                     row = {"method": m.method, "level": m.level, "bandwidth_gbps": gbps, "ttft_s": r["ttft_s"]}
@@ -366,12 +371,13 @@ def time_method(
     costs: CostModel | None,
     estimator: ThroughputEstimator,
     values_per_token: int,
+    rates: ComputeRates | None = None,
 ) -> dict:
-    """One request of a staged method."""
+    """One request of a staged method (``rates``: the adaptive method's, see :func:`time_adaptive`)."""
     if m.kind == "recompute":
         return time_recompute(model, bench, m.store, ctx, tail)
     if m.kind == "adaptive":
         if costs is None:
             raise ConfigError("the adaptive method needs its cost model")
-        return time_adaptive(model, bench, m.store, m.codec, costs, estimator, ctx, tail, values_per_token)
+        return time_adaptive(model, bench, m.store, m.codec, costs, estimator, ctx, tail, values_per_token, rates)
     return time_kv_method(model, bench, m.store, m.codec, ctx, tail)

@@ -31,7 +31,15 @@ from cachegen.engine.writer import BackgroundWriter
 from cachegen.errors import ConfigError
 from cachegen.kv import KVCache
 from cachegen.store import ContextStore, Namespace, open_backend
-from cachegen.stream import ADAPTIVE, CostModel, LoaderOptions, LoadResult, StreamingLoader, ThroughputEstimator
+from cachegen.stream import (
+    ADAPTIVE,
+    ComputeRates,
+    CostModel,
+    LoaderOptions,
+    LoadResult,
+    StreamingLoader,
+    ThroughputEstimator,
+)
 from cachegen.stream import costs as costs_mod
 
 ProfileSource = Callable[[LoadedModel], Profile]  # e.g. cachegen.calibrate.load_or_calibrate
@@ -74,6 +82,8 @@ class Engine:
         self._costs = costs
         # one throughput estimate across loads: the next load starts from what the last one measured
         self.estimator = ThroughputEstimator()
+        # and one measure of how fast decodes and recomputes really run here (the fastest policy plans with it)
+        self.rates = ComputeRates()
         # what requests computed is stored off the request path (see cachegen.engine.writer)
         self.writer = BackgroundWriter(store, max_pending_writes)
         self.eos_ids = frozenset(eos_token_ids(lm.model, lm.tokenizer))
@@ -214,7 +224,14 @@ class Engine:
             values_per_token=values_per_token(self.model.config),
         )
         return StreamingLoader(
-            self.store, self.codec, self.recompute, opts, costs=self.costs(), link=link, estimator=self.estimator
+            self.store,
+            self.codec,
+            self.recompute,
+            opts,
+            costs=self.costs(),
+            link=link,
+            estimator=self.estimator,
+            rates=self.rates,
         )
 
     def load(self, context_ids: Sequence[int], slo_s: float | None = None, link=None, policy=ADAPTIVE) -> LoadResult:

@@ -8,13 +8,16 @@ next one is on the wire, and returns a :class:`LoadResult` with the
 :class:`~cachegen.kv.KVCache` (each chunk decoded into its range of one preallocated
 cache) and the per-chunk decisions. :class:`FormatLadder` makes several codecs'
 formats (the project codec's levels, raw KV) one codec to plan over; the
-``"fastest"`` policy picks per chunk what ends the load soonest. It is the one
+``"fastest"`` policy picks per chunk what ends the load soonest, by the cost model
+corrected with the decode and recompute times measured in earlier loads
+(:class:`ComputeRates`). It is the one
 fetch/decode/stitch implementation: the engine, the benchmarks and the
 virtual-time replay (:mod:`cachegen.bench.replay`) all drive it, with a clock, a
 link and a runner (:mod:`cachegen.stream.pipeline`) passed in. Links:
 :class:`ThrottledLink` (in-process emulation) and :class:`DirectLink`.
 """
 
+from cachegen.stream.compute_rates import ComputeRates
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.formats import FormatLadder, Rung
@@ -50,6 +53,7 @@ __all__ = [
     "ChunkDecision",
     "ChunkSource",
     "Clock",
+    "ComputeRates",
     "CostModel",
     "DirectLink",
     "FormatLadder",

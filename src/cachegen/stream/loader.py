@@ -37,6 +37,7 @@ import torch
 from cachegen.errors import ConfigError, CorruptChunk, LoaderError
 from cachegen.kv import KVCache
 from cachegen.store.url import redact
+from cachegen.stream.compute_rates import ComputeRates
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import DirectLink
@@ -288,7 +289,9 @@ class StreamingLoader:
     ``link`` (how bytes cross the network; default: direct), ``estimator`` (pass the same
     one to every load over a link: the next load starts from what the last one measured;
     a fresh one without a prior makes the first chunk a probe at the smallest level),
-    ``clock`` and ``runner`` (real time and threads by default; the replay passes a
+    ``rates`` (the measured speed of decodes and recomputes against ``costs``: pass the same
+    one to every load on a machine; the ``fastest`` policy plans with ``costs`` corrected by
+    it, :class:`~cachegen.stream.compute_rates.ComputeRates`), ``clock`` and ``runner`` (real time and threads by default; the replay passes a
     :class:`~cachegen.stream.pipeline.VirtualClock` and a
     :class:`~cachegen.stream.pipeline.VirtualRunner`). ``options``: :class:`LoaderOptions`.
     A loader holds no per-load state: :meth:`load` may be called again, or from several
@@ -304,6 +307,7 @@ class StreamingLoader:
         costs: CostModel | None = None,
         link: Link | None = None,
         estimator: ThroughputEstimator | None = None,
+        rates: ComputeRates | None = None,
         clock: Clock = time.perf_counter,
         runner: Runner | None = None,
     ):
@@ -312,6 +316,7 @@ class StreamingLoader:
         self.costs = costs or CostModel()
         self.link: Link = link or DirectLink()
         self.estimator = estimator or ThroughputEstimator()
+        self.rates = rates or ComputeRates()
         self.clock = clock
         self.runner: Runner = runner or ThreadedRunner(clock)
         self._plan_timeout = _accepts(store.plan, "timeout")
@@ -421,6 +426,7 @@ class _Load:
         # the load must end by ``limit``; no store call is waited for past it
         self.limit = t0 + (slo - self.o.reserve_s) if slo is not None else math.inf
         self.cpu = _CpuBook(loader.clock, t0)
+        self.queued: dict[int, float] = {}  # per position: the compute seconds booked when it was queued
 
     def now(self) -> float:
         return self.l.clock() - self.t0
@@ -451,13 +457,33 @@ class _Load:
         stitch = self.l.costs.stitch_s(sum(c.num_values for c in chunks), itemsize)
         return LoadPlan(infos, chunks, order, early, self.limit - stitch)
 
-    def predicted(self, chunk: PlanChunk, choice: Choice) -> float:
-        if choice == TEXT:
-            return self.l.costs.recompute_s(chunk.start, chunk.num_tokens)
-        return self.l.costs.decode_s(int(choice), chunk.num_values or 1)
+    def plan_costs(self) -> CostModel:
+        """The cost model for the next decision: the fastest policy's is corrected by what this
+        machine's decodes and recomputes measured (a deadline policy keeps the calibrated one,
+        whose headroom a median correction would spend)."""
+        return self.l.rates.corrected(self.l.costs) if self.o.policy == FASTEST else self.l.costs
 
-    def choose(self, plan: LoadPlan, k: int, prev: Choice | None) -> tuple[Choice, float]:
-        """The choice for the ``k``-th chunk in fetch order, and the estimate it was made with."""
+    @staticmethod
+    def predicted(costs: CostModel, chunk: PlanChunk, choice: Choice) -> float:
+        if choice == TEXT:
+            return costs.recompute_s(chunk.start, chunk.num_tokens)
+        return costs.decode_s(int(choice), chunk.num_values or 1)
+
+    def book(self, pos: int, chunk: PlanChunk, choice: Choice, costs: CostModel) -> None:
+        """Count chunk ``pos``'s predicted compute as committed (queued for the compute stage)."""
+        self.queued[pos] = self.predicted(costs, chunk, choice)
+        self.cpu.queued(self.queued[pos])
+
+    def start(self, pos: int) -> None:
+        """Chunk ``pos``'s compute begins: what was booked for it is now in progress."""
+        self.cpu.started(self.queued.pop(pos, 0.0))
+
+    def measured(self, chunk: PlanChunk, choice: Choice, seconds: float) -> None:
+        """Teach the loader's rates one chunk's compute time, against the uncorrected model."""
+        self.l.rates.observe(choice, self.predicted(self.l.costs, chunk, choice), seconds)
+
+    def choose(self, plan: LoadPlan, k: int, prev: Choice | None, costs: CostModel) -> tuple[Choice, float]:
+        """The choice for the ``k``-th chunk in fetch order by ``costs``, and the estimate it was made with."""
         e, o = self.l.estimator, self.o
         g, last = e.next_estimate(first_of_load=prev is None), e.last()
         n = len(plan.chunks)
@@ -465,7 +491,7 @@ class _Load:
         choice = decide(
             o.policy,
             [plan.chunks[j] for j in plan.order[k:]],
-            self.l.costs,
+            costs,
             time_left_s=None if self.slo is None else plan.deadline - self.l.clock(),
             cpu_busy_s=self.cpu.busy(),
             est_gbps=g,
@@ -497,10 +523,11 @@ class _Load:
         prev: Choice | None = None
         for k, pos in enumerate(plan.order):
             chunk = plan.chunks[pos]
-            choice, est = self.choose(plan, k, prev)
+            costs = self.plan_costs()
+            choice, est = self.choose(plan, k, prev, costs)
             prev = choice
             if choice == TEXT:
-                self.cpu.queued(self.predicted(chunk, TEXT))
+                self.book(pos, chunk, TEXT, costs)
                 msg = TextChosen(pos, est, "not stored" if not chunk.sizes else "planned")
                 if pos == plan.early:  # a recompute needs the chunks before it: do it last
                     deferred = msg
@@ -521,7 +548,7 @@ class _Load:
                 return
             end = self.now()
             measured = self.l.estimator.add(nbytes, end - start)
-            self.cpu.queued(self.predicted(chunk, level))
+            self.book(pos, chunk, level, costs)
             yield Send(Fetched(pos, level, est, start, end, data, measured))
         if deferred is not None:
             yield Send(deferred)
@@ -554,7 +581,7 @@ class _Load:
                 d.est_gbps = msg.est_gbps
             if isinstance(msg, TextChosen):
                 d.choice, d.reason = TEXT, msg.reason
-                self.cpu.started(self.predicted(chunks[msg.pos], TEXT))
+                self.start(msg.pos)
                 d.decode_start = self.now()
                 ref = plan.infos[msg.pos].ref
                 if any(j not in got for j in range(msg.pos)):  # text comes in order, the early chunk last
@@ -566,13 +593,16 @@ class _Load:
                 got.add(msg.pos)
                 d.decode_end = self.now()
                 d.decode_s = d.decode_end - d.decode_start
+                self.measured(chunks[msg.pos], TEXT, d.decode_s)
                 continue
             if isinstance(msg, Fetched):
                 d.choice, d.bytes, d.measured_gbps = msg.level, len(msg.data), msg.measured_gbps
                 d.fetch_start, d.fetch_end, d.fetch_s = msg.fetch_start, msg.fetch_end, msg.fetch_end - msg.fetch_start
-                self.cpu.started(self.predicted(chunks[msg.pos], msg.level))
+                self.start(msg.pos)
                 d.decode_start = self.now()
                 ref = plan.infos[msg.pos].ref
+                # the first decode also allocates the whole cache: not a decode time to learn from
+                typical = cache.kv is not None
                 try:
                     yield Call(partial(cache.decode, self.l, msg.data, ref))
                     fault = None
@@ -583,6 +613,8 @@ class _Load:
                 d.decode_s = d.decode_end - d.decode_start
                 if fault is None:
                     got.add(msg.pos)
+                    if typical:
+                        self.measured(chunks[msg.pos], msg.level, d.decode_s)
                     continue
                 failed.add(msg.pos)
                 self.fault(res, fault)
