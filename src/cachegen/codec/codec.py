@@ -411,10 +411,14 @@ def _decode_lossless(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int)
 
 
 def all_finite(x: torch.Tensor) -> bool:
-    """Whether ``x`` holds no NaN or Inf, from one float64 sum: a NaN or an Inf makes it NaN or
-    infinite, and finite float32/bf16/fp16 values cannot overflow it (fewer than 2**53 values, each
-    below 2**128). About 10x faster than ``torch.isfinite(x).all()`` (which builds a bool tensor):
-    that check was a sixth of a chunk's decode."""
+    """Whether ``x`` holds no NaN or Inf, from a sum: a NaN or an Inf makes any sum of it NaN or
+    infinite. First a float32 sum (6x faster than float64 on float32 values: 0.10 ms for a 4K-token
+    section against 0.65 ms, about 15% of a whole-context decode); when it is not finite, because of
+    a NaN, an Inf or finite values whose float32 sum overflows, a float64 sum decides, which finite
+    float32/bf16/fp16 values cannot overflow (fewer than 2**53 values, each below 2**128). Either is
+    ~10x faster than ``torch.isfinite(x).all()``, which builds a bool tensor."""
+    if math.isfinite(float(x.sum(dtype=torch.float32))):
+        return True
     return math.isfinite(float(x.sum(dtype=torch.float64)))
 
 
