@@ -170,9 +170,10 @@ MODULES: tuple[Module, ...] = (
     ),
     Module(
         "loader",
-        ("src/cachegen/stream/loader.py",),
+        ("src/cachegen/stream/loader.py", "src/cachegen/stream/compute_rates.py"),
         (
             "tests/stream/test_loader.py",
+            "tests/stream/test_compute_rates.py",
             "tests/stream/test_loader_faults.py",
             "tests/stream/test_loader_accounting.py",
             "tests/stream/test_loader_messages.py",
@@ -221,6 +222,8 @@ _DUMMY = "a one-symbol plane's dummy count: any positive count below the cap's r
 _SLICE = "a section/step/class slice one longer is cut back to the layer's two by the zip over (k, v) in _encode_layer"
 _COPY = "tobytes() copies anyway: whether astype copies changes no byte"
 _CODEC_EQUIVALENT = {
+    "x_all_finite__mutmut_3": "the first sum in the tensor's own dtype instead of float32: NaN and Inf still make it"
+    " non-finite and an overflow still falls back to the float64 sum; only slower for bf16 and fp16",
     "x__decode_lossless__mutmut_14": "'<b' reads the element-size byte: a byte >= 128 is refused either way (neither 2 nor 4)",
     "x__decode_lossless__mutmut_27": "float64 frequencies from '<u2' are exact; Categorical takes int64 and the checks use int()",
     "x__decode_lossless__mutmut_46": _I64,

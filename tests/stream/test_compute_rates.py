@@ -65,19 +65,32 @@ def test_an_outlier_counts_only_up_to_the_bounds():
 
 
 def test_the_window_must_hold_a_sample():
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"^window must be >= 1$"):
         ComputeRates(window=0)
+    one = ComputeRates(window=1)
+    one.observe(1, 1.0, 0.5)
+    one.observe(1, 1.0, 0.8)
+    assert one.factor(1) == pytest.approx(0.8)
+
+
+def test_the_default_window_is_the_last_16_decodes():
+    r = ComputeRates()
+    for measured in [0.5] * 9 + [1.0] * 8:  # the 16 kept: eight of each, median 0.75
+        r.observe(1, 1.0, measured)
+    assert r.factor(1) == pytest.approx(0.75)
 
 
 def test_corrected_scales_each_prediction_by_its_factor():
     r = ComputeRates()
     assert r.corrected(COSTS) is COSTS  # nothing measured: the calibrated model itself
     r.observe(1, 1.0, 0.5)
+    r.observe(2, 1.0, 0.9)
     r.observe(TEXT, 1.0, 2.0)
     c = r.corrected(COSTS)
     assert isinstance(c, ScaledCosts)
     assert c.decode_s(1, 10**6) == pytest.approx(0.5 * COSTS.decode_s(1, 10**6))
-    assert c.decode_s(0, 10**6) == pytest.approx(0.5 * COSTS.decode_s(0, 10**6))  # unseen: pooled
+    assert c.decode_s(2, 10**6) == pytest.approx(0.9 * COSTS.decode_s(2, 10**6))
+    assert c.decode_s(0, 10**6) == pytest.approx(0.7 * COSTS.decode_s(0, 10**6))  # unseen: pooled
     assert c.recompute_s(256, 256) == pytest.approx(2.0 * COSTS.recompute_s(256, 256))
     assert c.fetch_s(10**6, 1.0) == COSTS.fetch_s(10**6, 1.0)  # the link is the estimator's business
     assert COSTS.decode_s(1, 10**6) == pytest.approx(0.062)  # the calibrated model is left alone
@@ -157,3 +170,16 @@ def test_the_decode_that_allocates_the_cache_is_not_learned_from():
 
     replay_load(_chunks(2), constant(0.1), COSTS, opts, est, compute_s=slow_first, rates=rates)
     assert rates.factor(2) == pytest.approx(TRUE_S[2] / COSTS.decode_s(2, 10**6), rel=1e-3)
+
+
+def test_recomputes_teach_the_text_factor_alone():
+    rates = ComputeRates()
+    opts = LoaderOptions(policy=TEXT, slo_s=None, recency_boost=0)
+    est = ThroughputEstimator(prior_gbps=0.1)
+
+    def twice(pos, choice):  # every recompute takes twice its prediction
+        return 2 * COSTS.recompute_s(pos * 256, 256)
+
+    replay_load(_chunks(4), constant(0.1), COSTS, opts, est, compute_s=twice, rates=rates)
+    assert rates.factor(TEXT) == pytest.approx(2.0, rel=1e-3)
+    assert rates.pooled_factor() == 1.0  # no decode was timed

@@ -475,8 +475,9 @@ class _Load:
         self.cpu.queued(self.queued[pos])
 
     def start(self, pos: int) -> None:
-        """Chunk ``pos``'s compute begins: what was booked for it is now in progress."""
-        self.cpu.started(self.queued.pop(pos, 0.0))
+        """Chunk ``pos``'s compute begins: what was booked for it is now in progress (the fetch
+        stage books every chunk before it sends it)."""
+        self.cpu.started(self.queued.pop(pos))
 
     def measured(self, chunk: PlanChunk, choice: Choice, seconds: float) -> None:
         """Teach the loader's rates one chunk's compute time, against the uncorrected model."""
