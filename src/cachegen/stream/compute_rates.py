@@ -77,6 +77,10 @@ class ComputeRates:
         with self._lock:
             self._ratios.setdefault(key, deque(maxlen=self.window)).append(ratio)
 
+    def _snapshot(self) -> dict[int | str, list[float]]:
+        with self._lock:
+            return {k: list(d) for k, d in self._ratios.items()}
+
     @property
     def known(self) -> bool:
         """Whether any sample has been recorded."""
@@ -85,30 +89,34 @@ class ComputeRates:
 
     def factor(self, choice: int | str) -> float:
         """The median ratio for ``choice``; a level without samples: :meth:`pooled_factor`; text without: 1."""
-        key: int | str = TEXT if choice == TEXT else int(choice)
-        with self._lock:
-            own = list(self._ratios.get(key, ()))
-        if own:
-            return statistics.median(own)
-        return 1.0 if key == TEXT else self.pooled_factor()
+        return _factor(self._snapshot(), TEXT if choice == TEXT else int(choice))
 
     def pooled_factor(self) -> float:
         """The median ratio over every level's recent decodes (1 before the first)."""
-        with self._lock:
-            pooled = [r for k, d in self._ratios.items() if k != TEXT for r in d]
-        return statistics.median(pooled) if pooled else 1.0
+        return _pooled(self._snapshot())
 
     def corrected(self, costs: CostModel) -> CostModel:
         """``costs`` with every decode and recompute prediction scaled by its :meth:`factor`
-        (``costs`` itself when nothing has been measured yet)."""
-        if not self.known:
+        (``costs`` itself when nothing has been measured yet); all factors from one snapshot."""
+        snap = self._snapshot()
+        if not snap:
             return costs
-        with self._lock:
-            levels = [int(k) for k in self._ratios if k != TEXT]
         base = {f.name: getattr(costs, f.name) for f in fields(CostModel)}
         return ScaledCosts(
             **base,
-            decode_scale={k: self.factor(k) for k in levels},
-            decode_scale_default=self.pooled_factor(),
-            recompute_scale=self.factor(TEXT),
+            decode_scale={int(k): _factor(snap, k) for k in snap if k != TEXT},
+            decode_scale_default=_pooled(snap),
+            recompute_scale=_factor(snap, TEXT),
         )
+
+
+def _pooled(snap: dict[int | str, list[float]]) -> float:
+    pooled = [r for k, rs in snap.items() if k != TEXT for r in rs]
+    return statistics.median(pooled) if pooled else 1.0
+
+
+def _factor(snap: dict[int | str, list[float]], key: int | str) -> float:
+    own = snap.get(key)
+    if own:
+        return statistics.median(own)
+    return 1.0 if key == TEXT else _pooled(snap)

@@ -291,7 +291,8 @@ class StreamingLoader:
     a fresh one without a prior makes the first chunk a probe at the smallest level),
     ``rates`` (the measured speed of decodes and recomputes against ``costs``: pass the same
     one to every load on a machine; the ``fastest`` policy plans with ``costs`` corrected by
-    it, :class:`~cachegen.stream.compute_rates.ComputeRates`), ``clock`` and ``runner`` (real time and threads by default; the replay passes a
+    it, :class:`~cachegen.stream.compute_rates.ComputeRates`), ``clock`` and ``runner``
+    (real time and threads by default; the replay passes a
     :class:`~cachegen.stream.pipeline.VirtualClock` and a
     :class:`~cachegen.stream.pipeline.VirtualRunner`). ``options``: :class:`LoaderOptions`.
     A loader holds no per-load state: :meth:`load` may be called again, or from several
@@ -426,7 +427,7 @@ class _Load:
         # the load must end by ``limit``; no store call is waited for past it
         self.limit = t0 + (slo - self.o.reserve_s) if slo is not None else math.inf
         self.cpu = _CpuBook(loader.clock, t0)
-        self.queued: dict[int, float] = {}  # per position: the compute seconds booked when it was queued
+        self.booked: dict[int, float] = {}  # per position: the compute seconds booked when it was queued
 
     def now(self) -> float:
         return self.l.clock() - self.t0
@@ -471,13 +472,13 @@ class _Load:
 
     def book(self, pos: int, chunk: PlanChunk, choice: Choice, costs: CostModel) -> None:
         """Count chunk ``pos``'s predicted compute as committed (queued for the compute stage)."""
-        self.queued[pos] = self.predicted(costs, chunk, choice)
-        self.cpu.queued(self.queued[pos])
+        self.booked[pos] = self.predicted(costs, chunk, choice)
+        self.cpu.queued(self.booked[pos])
 
     def start(self, pos: int) -> None:
         """Chunk ``pos``'s compute begins: what was booked for it is now in progress (the fetch
         stage books every chunk before it sends it)."""
-        self.cpu.started(self.queued.pop(pos))
+        self.cpu.started(self.booked.pop(pos))
 
     def measured(self, chunk: PlanChunk, choice: Choice, seconds: float) -> None:
         """Teach the loader's rates one chunk's compute time, against the uncorrected model."""
