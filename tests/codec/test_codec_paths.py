@@ -216,6 +216,65 @@ def test_threads_decide_where_sections_are_coded(monkeypatch):
         c.close()
 
 
+@pytest.mark.parametrize("stop", ["fails", "abandoned"])
+def test_no_section_is_written_after_a_decode_ends(monkeypatch, stop):
+    """Sections are decoded straight into the caller's cache on the pool's threads: when one
+    fails (or a ``decode_layers`` caller stops early), every other section is cancelled or has
+    finished before control returns, so a recompute written into that range afterwards is never
+    overwritten by a late section."""
+    running: set[int] = set()
+    lock = threading.Lock()
+    dec = codec_mod._decode_section_job
+
+    def slow(job):
+        i = job[3]
+        with lock:
+            running.add(i)
+        try:
+            if i == 0 and stop == "fails":
+                raise CorruptChunk("section 0: planted")
+            threading.Event().wait(0.02)
+            return dec(job)
+        finally:
+            with lock:
+                running.discard(i)
+
+    monkeypatch.setattr(codec_mod, "_decode_section_job", slow)
+    c = Codec(threads=2)
+    kv = _kv(5, layers=4, tokens=8)
+    data = c.encode(kv, LOSSLESS)
+    if stop == "fails":
+        with pytest.raises(CorruptChunk, match="planted"):
+            c.decode_into(data, _filled(kv, 8, start=0))
+    else:
+        layers = c.decode_layers(data)
+        next(layers)
+        layers.close()
+    with lock:
+        assert running == set()
+    c.close()
+
+
+def test_pool_threads_run_torch_single_threaded_and_leave_the_callers_setting():
+    """Each pool thread calls torch's products; with torch's own OpenMP team per call, two
+    sections at once oversubscribed two cores. Only the pool's threads are lowered to one."""
+    import ctypes
+
+    if getattr(ctypes.CDLL(None), "omp_set_num_threads", None) is None:
+        pytest.skip("this torch build has no OpenMP symbol")
+    before = torch.get_num_threads()
+    c = Codec(threads=2)
+    assert c._pool is not None
+    assert [c._pool.submit(torch.get_num_threads).result() for _ in range(4)] == [1, 1, 1, 1]
+    assert torch.get_num_threads() == before
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    seen: list[int] = []
+    t.start()
+    t.join()
+    assert seen == [before]  # other threads keep torch's setting
+    c.close()
+
+
 def test_a_codec_whose_arguments_were_refused_is_collected_silently(monkeypatch):
     caught: list = []
     monkeypatch.setattr(sys, "unraisablehook", caught.append)

@@ -11,12 +11,12 @@ into byte planes, rANS-coded with per-chunk tables (one stream per column).
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import math
 import struct
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import cast
 
 import numpy as np
@@ -37,7 +37,7 @@ from cachegen.codec.container import (
 )
 from cachegen.codec.fit import calibrate
 from cachegen.codec.profile import LEVELS, PRECISION, TABLE_PAD, Profile
-from cachegen.codec.transform import forward_section, inverse_section
+from cachegen.codec.transform import forward_section, inverse_section_into
 from cachegen.errors import CodecError, ConfigError, CorruptChunk, ProfileMismatch
 from cachegen.kv import KVCache, KVLayer
 
@@ -66,6 +66,21 @@ def _from_bytes(b: np.ndarray | memoryview, shape: tuple[int, ...], dtype: torch
     if arr.size == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(arr).view(iv).view(dtype).reshape(shape)
+
+
+def _one_kernel_thread() -> None:
+    """Run torch's kernels single-threaded on the calling thread (a codec pool thread) only.
+
+    Why: each of the pool's threads calls torch's products, and each call would start its
+    own team of OpenMP threads: two sections at once ran four threads on two cores, and a
+    whole 4K-token decode took 0.123 s instead of 0.108 s on 2 threads. OpenMP's thread count
+    is a per-thread setting, so the caller's (the model's prefill) is left as it is; torch
+    reads its setting lazily, so it is read first, then lowered. Without OpenMP's symbol
+    (another build of torch) nothing changes but the speed."""
+    torch.get_num_threads()
+    fn = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
+    if fn is not None:
+        fn(1)
 
 
 class Codec:
@@ -97,7 +112,7 @@ class Codec:
         ):
             raise ProfileMismatch(f"profile is for model {profile.model_fingerprint}, codec for {model_fingerprint}")
         self.threads = max(1, int(threads))
-        self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self._pool = ThreadPoolExecutor(self.threads, initializer=_one_kernel_thread) if self.threads > 1 else None
 
     def _map(self, fn, items):
         return self._pool.map(fn, items) if self._pool else map(fn, items)
@@ -232,18 +247,45 @@ class Codec:
         check_key(h, key)
         self._check_bounds(h)
         prof = self._profile_for(data, h)
+        layers = [
+            KVLayer(
+                torch.empty((l.heads, h.num_tokens, l.k_dim), dtype=h.dtype),
+                torch.empty((l.heads, h.num_tokens, l.v_dim), dtype=h.dtype),
+                l.kind,
+                l.window,
+            )
+            for l in h.layers
+        ]
+        done = self._decode_sections(data, h, prof, layers)
+        for li, layer in enumerate(layers):
+            next(done)
+            next(done)
+            yield li, layer
+
+    def _decode_sections(self, data: bytes, h: ChunkHeader, prof: Profile | None, dst: list[KVLayer]) -> Iterator[None]:
+        """Decode every section into ``dst``'s tensors (the pool's threads split them); yields
+        once per section, in order, when it is written. When one fails, or the caller stops
+        early, the rest are cancelled or waited for before this returns: no thread writes
+        into ``dst`` after that (the loader recomputes a failed chunk's range in place)."""
         first = 1 if h.inline_profile else 0
-        jobs = []
-        for i in range(2 * len(h.layers)):
-            l = h.layers[i // 2]
-            d = l.k_dim if i % 2 == 0 else l.v_dim
-            jobs.append((data, h, first + i, l.heads, d, i, prof))
-        results = self._map(_decode_section_job, jobs)
-        it = iter(results)
-        for li, l in enumerate(h.layers):
-            k = next(it)
-            v = next(it)
-            yield li, KVLayer(k, v, l.kind, l.window)
+        jobs = [
+            (data, h, first + i, i, prof, dst[i // 2].k if i % 2 == 0 else dst[i // 2].v)
+            for i in range(2 * len(h.layers))
+        ]
+        if self._pool is None:
+            for job in jobs:
+                _decode_section_job(job)
+                yield
+            return
+        futures = [self._pool.submit(_decode_section_job, job) for job in jobs]
+        try:
+            for f in futures:
+                f.result()
+                yield
+        finally:
+            for f in futures:
+                f.cancel()
+            wait(futures)
 
     def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
         """The chunk's KV; with ``key``, only if the chunk was written for that chunk key."""
@@ -253,10 +295,10 @@ class Codec:
 
     def decode_into(self, data: bytes, out: KVCache, *, key: str | None = None) -> KVCache:
         """Decode the chunk into ``out`` (a view of its range in a preallocated cache: a
-        :class:`~cachegen.codec.protocol.DecodesInto`), one layer at a time as each is decoded,
-        so no whole-chunk cache is built. The values are :meth:`decode`'s, cast to ``out``'s
-        dtype. The header is checked against ``out`` (range, layer kinds and sizes) before
-        anything is decoded."""
+        :class:`~cachegen.codec.protocol.DecodesInto`), each section written straight into it,
+        so no chunk-sized cache is built or copied. The values are :meth:`decode`'s, cast to
+        ``out``'s dtype. The header is checked against ``out`` (range, layer kinds and sizes)
+        before anything is decoded."""
         h = parse_header(data)
         if h.start != out.start or h.num_tokens != out.num_tokens:
             raise CorruptChunk(
@@ -265,9 +307,11 @@ class Codec:
         want = [(l.kind, l.window, int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in out.layers]
         if [(l.kind, l.window, l.heads, l.k_dim, l.v_dim) for l in h.layers] != want:
             raise CorruptChunk("chunk layout differs from the cache it is decoded into")
-        for li, layer in self.decode_layers(data, key=key):
-            out.layers[li].k.copy_(layer.k)
-            out.layers[li].v.copy_(layer.v)
+        check_key(h, key)
+        self._check_bounds(h)
+        prof = self._profile_for(data, h)
+        for _ in self._decode_sections(data, h, prof, list(out.layers)):
+            pass
         return out
 
     def close(self) -> None:
@@ -275,8 +319,15 @@ class Codec:
             self._pool.shutdown()
 
     def __del__(self) -> None:  # pragma: no cover
-        with contextlib.suppress(Exception):
-            self.close()
+        # Never join here: a collection can run inside another thread's start-up, and joining
+        # the pool's threads from there deadlocked (seen in the codec tests); unjoined, they exit
+        # once they see the shutdown.
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            try:  # noqa: SIM105  (not contextlib.suppress: at interpreter exit the module's globals may be gone)
+                pool.shutdown(wait=False)
+            except Exception:
+                pass
 
 
 def quant_levels() -> tuple[int, ...]:
@@ -376,12 +427,19 @@ def _encode_lossless(x: torch.Tensor) -> bytes:
     return b"".join(out)
 
 
-def _decode_section_job(job) -> torch.Tensor:
-    data, h, si, heads, d, i, prof = job
+def _decode_section_job(job) -> None:
+    """Decode section ``i`` into ``out`` (H, T, D); through a buffer of the chunk's dtype when
+    ``out``'s differs, so the values are the chunk's own, then cast."""
+    data, h, si, i, prof, out = job
     mv = section_bytes(data, h, si)
     if prof is None:
-        return _decode_lossless(mv, h, heads, d, i)
-    return _decode_lossy(mv, h, heads, d, i, prof)
+        out.copy_(_decode_lossless(mv, h, int(out.shape[0]), int(out.shape[2]), i))
+    elif out.dtype != h.dtype:
+        buf = torch.empty(out.shape, dtype=h.dtype)
+        _decode_lossy(mv, h, i, prof, buf)
+        out.copy_(buf)
+    else:
+        _decode_lossy(mv, h, i, prof, out)
 
 
 def _decode_lossless(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int) -> torch.Tensor:
@@ -429,12 +487,14 @@ def _finite(x: torch.Tensor, i: int) -> torch.Tensor:
     return x
 
 
-def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, prof: Profile) -> torch.Tensor:
+def _decode_lossy(mv: memoryview, h: ChunkHeader, i: int, prof: Profile, out: torch.Tensor) -> None:
+    """Section ``i`` into ``out`` (H, T, D) of the chunk's dtype; CorruptChunk when it is inconsistent."""
     r = Reader(mv, f"section {i}")
     sp = prof.sections[i]
     lp = prof.levels[h.level]
     tables, cls = lp.padded_tables(), lp.classes(prof.sections)[i]
     sink = h.sink_tokens
+    heads, d = int(out.shape[0]), int(out.shape[2])
     t, c = h.num_tokens - sink, heads * d
     itemsize = torch.empty((), dtype=h.dtype).element_size()
     n_sink_bytes = r.u32()
@@ -471,8 +531,7 @@ def _decode_lossy(mv: memoryview, h: ChunkHeader, heads: int, d: int, i: int, pr
     used = quant.dequantize(sym, lp.steps[i], importance.row_scale(u), esc, n_esc, y)
     if used != n_esc:
         raise CorruptChunk(f"section {i}: {used} escapes in the stream, {n_esc} stored")
-    x = inverse_section(sp, y, heads, d, h.dtype, h.start + sink)
     if sink:
-        xs = _from_bytes(sink_raw, (heads, sink, d), h.dtype)
-        x = torch.cat([xs, x], dim=1)
-    return _finite(x, i)
+        out[:, :sink].copy_(_from_bytes(sink_raw, (heads, sink, d), h.dtype))
+    inverse_section_into(sp, y, out[:, sink:], h.start + sink)
+    _finite(out, i)

@@ -51,6 +51,10 @@ class RopeSpec:
         c, s = _half_tables(self.inv_freq.tobytes(), float(self.scale), int(start), int(n))
         return torch.from_numpy(np.concatenate((c, c), axis=1)), torch.from_numpy(np.concatenate((s, s), axis=1))
 
+    def half_tables(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(n, r/2) cos and sin (times ``scale``) for positions ``start ..`` (cached per chunk)."""
+        return _half_tables(self.inv_freq.tobytes(), float(self.scale), int(start), int(n))
+
 
 @lru_cache(maxsize=16)
 def _half_tables(inv_freq: bytes, scale: float, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -111,3 +115,21 @@ def unrope_grad(g: torch.Tensor, spec: RopeSpec | None, start: int) -> torch.Ten
     if spec is None:
         return g
     return _apply(g.to(torch.float32), spec, start, inverse=True, grad=True).to(g.dtype)
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def rotate_rows(x, cos_h, sin_h):
+    """One head (T, D) float32, in place: the forward rotation of :func:`rope` (pairs
+    ``(j, j + r/2)``, ``r = 2 * cos_h.shape[1]``), value for value; the decoder's, which writes
+    into the cache itself, where :func:`rope` returns a new tensor."""
+    T = x.shape[0]
+    r2 = cos_h.shape[1]
+    for t in range(T):
+        o = x[t]
+        cr = cos_h[t]
+        sr = sin_h[t]
+        for j in range(r2):
+            a = o[j]
+            b = o[j + r2]
+            o[j] = a * cr[j] - b * sr[j]
+            o[j + r2] = b * cr[j] + a * sr[j]

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from cachegen.codec.profile import SectionParams
-from cachegen.codec.rope import rope, unrope
+from cachegen.codec.rope import rotate_rows, unrope
 
 
 def forward_section(sp: SectionParams, x: torch.Tensor, start: int = 0) -> np.ndarray:
@@ -31,17 +31,34 @@ def inverse_section(
     sp: SectionParams, y: np.ndarray, heads: int, dim: int, dtype: torch.dtype, start: int = 0
 ) -> torch.Tensor:
     """y (T, H*D) -> x (H, T, D) in ``dtype`` (``x = rope(y @ inv + mean)``, ``inv = basis.T`` unless given)."""
-    t = y.shape[0]
+    out = torch.empty((heads, y.shape[0], dim), dtype=dtype)
+    inverse_section_into(sp, y, out, start)
+    return out
+
+
+def inverse_section_into(sp: SectionParams, y: np.ndarray, out: torch.Tensor, start: int = 0) -> None:
+    """:func:`inverse_section` written into ``out`` (H, T, D), a view such as one chunk's range of
+    a preallocated cache (the caller checks the values: :func:`cachegen.codec.codec.all_finite`).
+
+    Why: the product and the mean are one ``baddbmm`` into the destination (the same values as
+    a product and then an add), the rotation is done in place there
+    (:func:`cachegen.codec.rope.rotate_rows`), so a section takes no temporary and no copy,
+    except for a cache of another dtype: a float32 buffer, then torch's cast (round to
+    nearest even)."""
+    heads, t, dim = out.shape
     yt = torch.from_numpy(y).view(t, heads, dim).transpose(0, 1)  # (H, T, D) view
-    inv = sp.inv
-    if inv is not None:
-        x = torch.bmm(yt, torch.from_numpy(inv))
+    dst = out if out.dtype == torch.float32 else torch.empty((heads, t, dim), dtype=torch.float32)
+    mean = torch.from_numpy(sp.mean).view(heads, 1, dim)
+    if sp.inv is not None:
+        torch.baddbmm(mean, yt, torch.from_numpy(sp.inv), out=dst)
     elif sp.basis is not None:
-        x = torch.bmm(yt, torch.from_numpy(sp.basis).transpose(1, 2))
+        torch.baddbmm(mean, yt, torch.from_numpy(sp.basis).transpose(1, 2), out=dst)
     else:
-        x = yt.contiguous()
-    x.add_(torch.from_numpy(sp.mean).view(heads, 1, dim))
-    spec = sp.rope
-    if spec is not None:
-        x = rope(x, spec, start)
-    return x.to(dtype).contiguous()
+        torch.add(yt, mean, out=dst)
+    if sp.rope is not None and sp.rope.rotary_dim and t:
+        cos_h, sin_h = sp.rope.half_tables(start, t)
+        xn = dst.numpy()
+        for h in range(heads):
+            rotate_rows(xn[h], cos_h, sin_h)
+    if dst is not out:
+        out.copy_(dst)
