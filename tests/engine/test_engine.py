@@ -108,6 +108,25 @@ def test_ingest_resumes_from_the_stored_prefix(engine, tmp_path):
     eng.close()
 
 
+def test_ingest_tells_every_part_where_the_whole_context_ends(engine, tmp_path):
+    """A long context is stored a few chunks at a time; each part's codec is told the context's
+    own end (where the next tokens follow), not the part's, or every part's tail would be coded
+    as the recent end of a context."""
+    store = ContextStore(open_backend(f"file://{tmp_path}"), engine.store.namespace, engine.codec, levels=(4,))
+    ends: list = []
+    put = store.put_context
+    store.put_context = lambda toks, kv, levels=None, *, context_end=None: (  # type: ignore[method-assign]
+        ends.append((len(toks), context_end)),
+        put(toks, kv, levels, context_end=context_end),
+    )[1]
+    eng = Engine(engine.lm, store, engine.codec, CostModel())
+    ids = corpus.needle_case(engine.tokenizer, 1100, seed=9).context_ids
+    eng.ingest(ids, group_chunks=2)
+    assert [n for n, _ in ends] == [512, 1024, len(ids)]
+    assert {e for _, e in ends} == {len(ids)}
+    eng.close()
+
+
 def test_automatic_reuse_across_requests_and_turns(engine, tmp_path):
     from cachegen.engine.sampling import SamplingParams
 

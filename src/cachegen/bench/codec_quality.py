@@ -49,7 +49,11 @@ def run_rate_quality(
     texts=EVAL_TEXTS,
     profile=None,
     loaded=None,
+    end_after: int | None = 0,
 ) -> list[dict]:
+    """Rows per (text, level). ``end_after``: the encoder is told the context ends that many
+    tokens after its real end (0: where the continuation starts, as a store writes a context;
+    more: a chunk first written inside a longer context); None: the end is not given."""
     from cachegen.engine.models import load_model
 
     m = loaded or load_model(model_name)
@@ -66,7 +70,10 @@ def run_rate_quality(
                 nonlocal nbytes
                 parts = []
                 for c in x.chunks(chunk):
-                    b = codec.encode(c, lv)
+                    if end_after is None:
+                        b = codec.encode(c, lv)
+                    else:
+                        b = codec.encode(c, lv, context_end=x.end + end_after)
                     nbytes += len(b)
                     parts.append(codec.decode(b))
                 return KVCache.concat(parts)
@@ -108,6 +115,15 @@ def main(argv=None) -> None:
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)))
     ap.add_argument("--texts", default=",".join(EVAL_TEXTS), help="comma list of files or pydoc-eval")
     ap.add_argument("--json")
+    end = ap.add_mutually_exclusive_group()
+    end.add_argument(
+        "--end-after",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tell the encoder the context ends N tokens after its real end (default 0: at it)",
+    )
+    end.add_argument("--end-unknown", action="store_true", help="do not tell the encoder where the context ends")
     ap.add_argument("--recalibrate", action="store_true", help="rebuild the cached profile first (and time it)")
     a = ap.parse_args(argv)
     texts = tuple(a.texts.split(","))
@@ -130,6 +146,7 @@ def main(argv=None) -> None:
         texts=texts,
         profile=profile,
         loaded=loaded,
+        end_after=None if a.end_unknown else a.end_after,
     )
     lic = [Path(t).name for t in texts if not t.startswith("pydoc")]
     for name, best in budget_summary(rows, lic or None).items():

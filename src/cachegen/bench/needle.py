@@ -116,7 +116,7 @@ def run_needle(
 
         caches = [kv] if include_recompute else []
         for c in codecs:
-            blobs = [c.codec.encode(ch, c.level) for ch in kv.chunks(chunk_tokens)]
+            blobs = c.encode_context(kv, chunk_tokens)
             nbytes[c.label] += sum(len(b) for b in blobs)
             caches.append(KVCache.concat([c.codec.decode(b) for b in blobs]))
         for key, out in zip(keys, batched_greedy(model, caches, case.question_ids, max_new_tokens, eos)):

@@ -83,7 +83,7 @@ def compare(ref: Reference, logits: torch.Tensor) -> dict:
 def measure(model, ref: Reference, codec: Variant, chunk_tokens: int = CHUNK_TOKENS) -> dict:
     """One result row for ``codec`` (encode in chunks, decode, continue, compare)."""
     t0 = time.perf_counter()
-    blobs = [codec.codec.encode(c, codec.level) for c in ref.kv.chunks(chunk_tokens)]
+    blobs = codec.encode_context(ref.kv, chunk_tokens)
     t1 = time.perf_counter()
     back = KVCache.concat([codec.codec.decode(b) for b in blobs])
     t2 = time.perf_counter()

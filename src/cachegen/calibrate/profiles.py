@@ -26,9 +26,9 @@ from cachegen.engine.attention import stock_sdpa
 log = logging.getLogger(__name__)
 
 CALIBRATION_VERSION = (
-    5  # 2: pydoc-calib, per-component Fisher over several contexts; 3: pre-RoPE keys; 4: the "calib" mix;
+    6  # 2: pydoc-calib, per-component Fisher over several contexts; 3: pre-RoPE keys; 4: the "calib" mix;
 )
-# 5: token importance
+# 5: token importance; 6: a second importance predictor for a known context end
 # Measured correction of the Fisher KL prediction (see docs/codec.md); scales every level's target.
 KL_SCALE = 1.0
 

@@ -123,8 +123,15 @@ class Codec:
         """Levels :meth:`encode` accepts: lossless and the profile's (every lossy level without one)."""
         return (LOSSLESS, *(sorted(self.profile.levels) if self.profile is not None else quant_levels()))
 
-    def encode(self, kv: KVCache, level: int, *, key: str | None = None) -> bytes:
-        """``kv`` as one chunk at ``level``; ``key`` is the store's chunk key the chunk is bound to."""
+    # encode() reads where the context ends (a :class:`~cachegen.codec.protocol.EncodesInContext`)
+    encodes_in_context = True
+
+    def encode(self, kv: KVCache, level: int, *, key: str | None = None, context_end: int | None = None) -> bytes:
+        """``kv`` as one chunk at ``level``; ``key`` is the store's chunk key the chunk is bound to.
+
+        ``context_end``: the position the context that holds ``kv`` ends at (its length: the
+        continuation starts there), when known. Tokens near it get finer steps and distant ones
+        coarser (the profile's predictor for a known end); the decoder needs nothing of it."""
         dtype = kv.dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"unsupported dtype {dtype}")
@@ -134,6 +141,12 @@ class Codec:
             raise ConfigError(f"a chunk of {kv.num_tokens} tokens is over this codec's max_tokens ({self.max_tokens})")
         if not 0 <= kv.start <= MAX_POSITION - kv.num_tokens:
             raise ConfigError(f"chunk start {kv.start} out of range")
+        if context_end is not None and not (
+            isinstance(context_end, int) and not isinstance(context_end, bool) and kv.end <= context_end <= MAX_POSITION
+        ):
+            raise ConfigError(
+                f"context_end {context_end!r} must be an int from the chunk's end ({kv.end}) to {MAX_POSITION}"
+            )
         if not all(all_finite(t) for l in kv.layers for t in (l.k, l.v)):
             raise CodecError("the KV holds NaN or Inf: no chunk carries non-finite values (a decoder refuses them)")
         layers = tuple(
@@ -161,6 +174,7 @@ class Codec:
             lp = prof.levels[level]
             tables, cls = lp.padded_tables(), lp.classes(prof.sections)
             u_tables = prof.u_tables() if prof.u_freqs is not None else None
+            end = context_end if all(sp.imp_end is not None for sp in prof.sections if sp.imp is not None) else None
             jobs = [
                 (
                     kv.layers[li],
@@ -171,6 +185,7 @@ class Codec:
                     u_tables,
                     sink,
                     kv.start,
+                    end,
                 )
                 for li in range(len(kv.layers))
             ]
@@ -337,13 +352,17 @@ def quant_levels() -> tuple[int, ...]:
 # -- section bodies ---------------------------------------------------------------
 
 
-def layer_inputs(layer: KVLayer, sps, sink: int, start: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def layer_inputs(
+    layer: KVLayer, sps, sink: int, start: int, context_end: int | None = None
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """One layer's K and V as the lossy format codes them: the transformed sections (T, H*D) past
     the sink tokens, and each section's per-token multipliers ``u`` (the token-importance
-    predictor reads the layer's keys and values together)."""
+    predictor reads the layer's keys and values together; with ``context_end``, the sections'
+    predictors for a known end, which read each token's distance to it too)."""
     ys = [forward_section(sp, x[:, sink:], start + sink) for sp, x in zip(sps, (layer.k, layer.v))]
+    models = [sp.imp if context_end is None else sp.imp_end for sp in sps]
     us = importance.layer_multipliers(
-        [sp.imp for sp in sps], ys[0], ys[1], sps[0].heads, start + sink + np.arange(ys[0].shape[0])
+        models, ys[0], ys[1], sps[0].heads, start + sink + np.arange(ys[0].shape[0]), context_end
     )
     return ys, us
 
@@ -363,8 +382,8 @@ def section_symbols(
 
 def _encode_layer(job) -> tuple[bytes, bytes]:
     """Both sections of one layer."""
-    layer, sps, steps, clss, tables, u_tables, sink, start = job
-    ys, us = layer_inputs(layer, sps, sink, start)
+    layer, sps, steps, clss, tables, u_tables, sink, start, context_end = job
+    ys, us = layer_inputs(layer, sps, sink, start, context_end)
     out = []
     for x, y, u, sp, step, cls in zip((layer.k, layer.v), ys, us, sps, steps, clss):
         out.append(_encode_section(x, y, u, sp.imp is not None and y.shape[0] > 0, step, cls, tables, u_tables, sink))

@@ -261,17 +261,20 @@ def calibrate(
     us = [[np.zeros(y.shape[0], dtype=np.int64) for y in ys[i]] for i in range(len(sections))]
     u_freqs = None
     if importance_data:
+        # the multipliers (their table, and the rows' table shifts below) as a store writes them:
+        # with each sample's end known (a context's end then follows its last token)
         u_counts = np.ones(importance.N_U)
         for li in range(len(dims)):
             for j, kv in enumerate(samples):
                 start = _nonsink(kv, 2 * li, n_sink)[1]
                 yk, yv = ys[2 * li][j], ys[2 * li + 1][j]
                 pair = importance.layer_multipliers(
-                    [sections[2 * li].imp, sections[2 * li + 1].imp],
+                    [sections[2 * li].imp_end, sections[2 * li + 1].imp_end],
                     yk,
                     yv,
                     dims[li][0],
                     start + np.arange(yk.shape[0]),
+                    kv.end,
                 )
                 for i, u in zip((2 * li, 2 * li + 1), pair):
                     us[i][j] = u
@@ -314,11 +317,12 @@ def calibrate(
 
 
 def _fit_importance(sections: list[SectionParams], data: Sequence[tuple[KVCache, np.ndarray]], n_sink: int) -> None:
-    """Give every section a token-importance predictor fitted on ``data`` (see :func:`calibrate`
-    and :func:`cachegen.codec.importance.fit`)."""
+    """Give every section its two token-importance predictors fitted on ``data`` (see
+    :func:`calibrate` and :func:`cachegen.codec.importance.fit`): ``imp`` for an unknown context
+    end, ``imp_end`` for a known one (each context's continuation follows its last token)."""
     n_layers = len(sections) // 2
     for li in range(n_layers):
-        feats, sk, sv = [], [], []
+        feats, feats_end, sk, sv = [], [], [], []
         for kv, sens in data:
             sens = np.asarray(sens, dtype=np.float64)
             if sens.shape[:3] != (n_layers, 2, sections[2 * li].heads) or sens.shape[3] != kv.num_tokens:
@@ -327,11 +331,14 @@ def _fit_importance(sections: list[SectionParams], data: Sequence[tuple[KVCache,
             skip = start - kv.start
             yk = forward_section(sections[2 * li], xk, start)
             yv = forward_section(sections[2 * li + 1], *_nonsink(kv, 2 * li + 1, n_sink))
-            feats.append(importance.features(yk, yv, sections[2 * li].heads, start + np.arange(yk.shape[0])))
+            positions = start + np.arange(yk.shape[0])
+            feats.append(importance.features(yk, yv, sections[2 * li].heads, positions))
+            feats_end.append(importance.features(yk, yv, sections[2 * li].heads, positions, kv.end))
             sk.append(sens[li, 0, :, skip:])
             sv.append(sens[li, 1, :, skip:])
         try:
-            sections[2 * li].imp = importance.fit(feats, sk)
-            sections[2 * li + 1].imp = importance.fit(feats, sv)
+            for sp, sens_j in ((sections[2 * li], sk), (sections[2 * li + 1], sv)):
+                sp.imp = importance.fit(feats, sens_j)
+                sp.imp_end = importance.fit(feats_end, sens_j, exclude_tail=0)
         except ValueError as e:
             raise ConfigError(f"token-importance calibration: {e}") from None

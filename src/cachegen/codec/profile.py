@@ -37,7 +37,8 @@ from cachegen.kv import KVCache
 
 PROFILE_MAGIC = b"CGPF"
 PROFILE_VERSION = 4  # 2: optional per-section inverse (Fisher-weighted basis); 3: optional RoPE undo per key section;
-# 4: optional token-importance predictor per section and the table of its multipliers
+# 4: optional token-importance predictor per section and the table of its multipliers, and (optional, read
+# by encoders only: an older reader ignores it and decodes the same) a second predictor for a known context end
 TABLE_PAD = max(-importance.U_MIN, importance.U_MAX)  # extra tables each side: a row shift never leaves the range
 PRECISION = 12
 DEFAULT_SINK = 4
@@ -68,6 +69,19 @@ class SectionParams:
     inv: np.ndarray | None = None  # (heads, dim, dim) float32 inverse of basis, or None (basis orthonormal)
     rope: RopeSpec | None = None  # keys: undo this rotary embedding first (positions from the chunk)
     imp: ImportanceModel | None = None  # per-token step multipliers (predicted by the encoder, sent in the chunk)
+    imp_end: ImportanceModel | None = None  # the same when the encoder knows where the context ends
+
+
+def _importance_model(
+    arrays: dict[str, np.ndarray], name: str, i: int, shape: tuple[int, int]
+) -> ImportanceModel | None:
+    """Section ``i``'s ``name`` model (weights ``shape``, one offset) from a profile's arrays, if it has one."""
+    if f"{name}/{i}" not in arrays:
+        return None
+    w, off = arrays[f"{name}/{i}"], arrays.get(f"{name}off/{i}")
+    if w.shape != shape or off is None or off.shape != (1,) or not (np.isfinite(w).all() and np.isfinite(off).all()):
+        raise CorruptChunk(f"profile section {i} has an invalid importance model")
+    return ImportanceModel(w, float(off[0]))
 
 
 @dataclass
@@ -146,9 +160,10 @@ class Profile:
                     arrays.append((f"inv/{i}", s.inv.astype("<f4")))
             if s.rope is not None:
                 arrays.append((f"rope/{i}", s.rope.to_array().astype("<f4")))
-            if s.imp is not None:
-                arrays.append((f"imp/{i}", s.imp.weights.astype("<f4")))
-                arrays.append((f"impoff/{i}", np.array([s.imp.offset], dtype="<f4")))
+            for name, m in (("imp", s.imp), ("impend", s.imp_end)):
+                if m is not None:
+                    arrays.append((f"{name}/{i}", m.weights.astype("<f4")))
+                    arrays.append((f"{name}off/{i}", np.array([m.offset], dtype="<f4")))
         if self.u_freqs is not None:
             arrays.append(("ufreqs", self.u_freqs.astype("<u2")))
         for lv in sorted(self.levels):
@@ -247,19 +262,12 @@ class Profile:
                     ):
                         raise CorruptChunk(f"profile section {i} has an invalid rotary spec")
                     spec = RopeSpec.from_array(rope_a)
-                imp = None
-                if f"imp/{i}" in arrays:
-                    w, off = arrays[f"imp/{i}"], arrays.get(f"impoff/{i}")
-                    f = dims[i // 2][1] + dims[i // 2][2] + importance.N_EXTRA + 1
-                    if (
-                        w.shape != (h, f)
-                        or off is None
-                        or off.shape != (1,)
-                        or not (np.isfinite(w).all() and np.isfinite(off).all())
-                    ):
-                        raise CorruptChunk(f"profile section {i} has an invalid importance model")
-                    imp = ImportanceModel(w, float(off[0]))
-                sections.append(SectionParams(h, d, mean, std, basis, inv, spec, imp))
+                f = dims[i // 2][1] + dims[i // 2][2] + importance.N_EXTRA + 1
+                imp = _importance_model(arrays, "imp", i, (h, f))
+                imp_end = _importance_model(arrays, "impend", i, (h, f + importance.N_DIST))
+                if imp_end is not None and imp is None:
+                    raise CorruptChunk(f"profile section {i} has an importance model for a known end only")
+                sections.append(SectionParams(h, d, mean, std, basis, inv, spec, imp, imp_end))
             u_freqs = arrays.get("ufreqs")
             if u_freqs is not None:
                 u_freqs = u_freqs.astype(np.int64)

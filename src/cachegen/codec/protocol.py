@@ -12,7 +12,7 @@ the loader's preallocated cache.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 from cachegen.errors import CorruptChunk
 from cachegen.kv import KVCache
@@ -47,6 +47,23 @@ class DecodesInto(Protocol):
     not use that range (the loader recomputes it)."""
 
     def decode_into(self, data: bytes, out: KVCache, *, key: str | None = None) -> KVCache: ...
+
+
+@runtime_checkable
+class EncodesInContext(Protocol):
+    """A codec whose ``encode`` also takes ``context_end``: where the context that holds the chunk
+    ends (the continuation starts there), so it can spend its bits on the tokens the next ones
+    will attend to most (:class:`cachegen.codec.Codec`: ``docs/codec.md``). The chunk decodes
+    the same without it; writers that know the end pass it (:func:`takes_context_end`)."""
+
+    encodes_in_context: bool
+
+    def encode(self, kv: KVCache, level: int, *, key: str | None = None, context_end: int | None = None) -> bytes: ...
+
+
+def takes_context_end(codec: object) -> TypeGuard[EncodesInContext]:
+    """Whether ``codec.encode`` takes ``context_end`` (it says so: ``encodes_in_context = True``)."""
+    return getattr(codec, "encodes_in_context", False) is True
 
 
 def check_fits(kv: KVCache, out: KVCache, what: str = "chunk") -> None:

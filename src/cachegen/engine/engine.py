@@ -204,7 +204,8 @@ class Engine:
             dec.feed(tokens[a:b], progress=progress)
             prefill_s += time.perf_counter() - t
             t = time.perf_counter()
-            written += len(self.store.put_context(tokens[:b], dec.kv(a, b)))
+            # the context ends at len(tokens), not at this part's end: that is where the next tokens follow
+            written += len(self.store.put_context(tokens[:b], dec.kv(a, b), context_end=len(tokens)))
             encode_s += time.perf_counter() - t
         return IngestResult(len(plan), len(tokens), written, start, prefill_s, encode_s)
 

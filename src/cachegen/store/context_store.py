@@ -72,6 +72,11 @@ class ContextStore:
         self.chunk_tokens = chunk_tokens or DEFAULT_CHUNK_TOKENS
         self._checked = False
         self._encode_key = encoder is not None and _accepts_key(encoder.encode)
+        self._encode_end = False
+        if encoder is not None:  # an encoder means the codec package is loaded already
+            from cachegen.codec.protocol import takes_context_end
+
+            self._encode_end = takes_context_end(encoder)
         if backend.local:  # no network: check now, so a mismatch shows when the store opens
             self.check()
 
@@ -142,18 +147,26 @@ class ContextStore:
         return tokens_from_bytes(self.backend.tokens(_key(chunk)))
 
     # -- writes ------------------------------------------------------------------
-    def _encode(self, part: KVCache, level: int, key: str) -> bytes:
+    def _encode(self, part: KVCache, level: int, key: str, context_end: int) -> bytes:
         assert self.encoder is not None
+        kw: dict = {}
         if self._encode_key:  # the chunk carries its key's digest: a swapped chunk fails to decode
-            return self.encoder.encode(part, level, key=key)
-        return self.encoder.encode(part, level)
+            kw["key"] = key
+        if self._encode_end:  # the codec spends its bits where the continuation will look
+            kw["context_end"] = context_end
+        return self.encoder.encode(part, level, **kw)
 
-    def put_context(self, tokens, kv: KVCache, levels: Sequence[int] | None = None) -> list[ChunkRef]:
+    def put_context(
+        self, tokens, kv: KVCache, levels: Sequence[int] | None = None, *, context_end: int | None = None
+    ) -> list[ChunkRef]:
         """Encode and store every chunk of ``tokens`` that ``kv`` covers, at ``levels``.
 
         ``kv`` holds tokens ``[kv.start, len(tokens))`` with ``kv.start`` on a chunk
         boundary (a caller may prefill only what :meth:`lookup` did not find).
-        Levels already stored are not encoded again. Returns the refs written to."""
+        Levels already stored are not encoded again. Returns the refs written to.
+        ``context_end``: where the context these tokens begin ends (default: at their end; a
+        writer that stores a long context a part at a time passes the whole length), for a
+        codec that spends its bits by recency (:class:`~cachegen.codec.protocol.EncodesInContext`)."""
         if self.encoder is None:
             raise ConfigError("this ContextStore has no encoder; pass one to store contexts")
         levels = tuple(levels) if levels is not None else self.levels
@@ -167,6 +180,9 @@ class ContextStore:
                 f"KV covers [{kv.start}, {kv.end}) but must end at the context's {n} tokens "
                 f"and start on a {self.chunk_tokens}-token chunk boundary"
             )
+        end = n if context_end is None else context_end
+        if not (isinstance(end, int) and not isinstance(end, bool) and end >= n):
+            raise ConfigError(f"context_end {context_end!r} must be an int, at least the {n} tokens given")
         full = self.plan(tokens)
         written = []
         for i, info in enumerate(full):
@@ -178,7 +194,7 @@ class ContextStore:
             if not missing and not last:
                 continue
             part = kv.slice(ref.start, ref.end)
-            payloads = {l: self._encode(part, l, ref.key) for l in missing}
+            payloads = {l: self._encode(part, l, ref.key, end) for l in missing}
             prev = full[i - 1].ref.key if i else ""
             self.backend.put_chunks(
                 [

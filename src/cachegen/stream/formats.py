@@ -82,8 +82,14 @@ class FormatLadder:
             raise ConfigError(f"no level {level}: the ladder has levels 0..{len(self.rungs) - 1}")
         return self.rungs[level]
 
-    def encode(self, kv: KVCache, level: int, *, key: str | None = None) -> bytes:
+    encodes_in_context = True  # passed on to the rungs whose codecs take it
+
+    def encode(self, kv: KVCache, level: int, *, key: str | None = None, context_end: int | None = None) -> bytes:
+        from cachegen.codec.protocol import takes_context_end
+
         r = self._rung(level)
+        if context_end is not None and takes_context_end(r.codec):
+            return bytes([level]) + r.codec.encode(kv, r.level, key=key, context_end=context_end)
         return bytes([level]) + r.codec.encode(kv, r.level, key=key)
 
     def _split(self, data: bytes) -> tuple[Rung, memoryview]:

@@ -54,6 +54,7 @@ from cachegen.bench.baselines.released import (
 )
 from cachegen.bench.baselines.uniform import UniformCodec
 from cachegen.codec import ChunkCodec
+from cachegen.codec.protocol import takes_context_end
 from cachegen.errors import ConfigError
 from cachegen.kv import KVCache
 
@@ -113,6 +114,14 @@ class Variant(NamedTuple):
     def label(self) -> str:
         """``name`` or ``name/Lk`` for display."""
         return self.name if self.row_level is None else f"{self.name}/L{self.level}"
+
+    def encode_context(self, kv: KVCache, chunk_tokens: int) -> list[bytes]:
+        """Every ``chunk_tokens``-token chunk of a context's KV, as a store writes them: a codec
+        that reads where the context ends (:func:`~cachegen.codec.protocol.takes_context_end`)
+        is told ``kv.end``, where the harness's continuation or question follows."""
+        if takes_context_end(self.codec):
+            return [self.codec.encode(c, self.level, context_end=kv.end) for c in kv.chunks(chunk_tokens)]
+        return [self.codec.encode(c, self.level) for c in kv.chunks(chunk_tokens)]
 
 
 def baseline(name: str) -> ChunkCodec:
