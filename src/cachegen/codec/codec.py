@@ -283,8 +283,11 @@ class Codec:
         early, the rest are cancelled or waited for before this returns: no thread writes
         into ``dst`` after that (the loader recomputes a failed chunk's range in place)."""
         first = 1 if h.inline_profile else 0
+        # the caller's inference mode goes with each section: it is per thread, and a pool thread
+        # outside it may not write into a tensor made inside it (a serving engine's cache)
+        inference = torch.is_inference_mode_enabled()
         jobs = [
-            (data, h, first + i, i, prof, dst[i // 2].k if i % 2 == 0 else dst[i // 2].v)
+            (data, h, first + i, i, prof, dst[i // 2].k if i % 2 == 0 else dst[i // 2].v, inference)
             for i in range(2 * len(h.layers))
         ]
         if self._pool is None:
@@ -447,9 +450,15 @@ def _encode_lossless(x: torch.Tensor) -> bytes:
 
 
 def _decode_section_job(job) -> None:
+    """One section of :meth:`Codec._decode_sections`, in the caller's inference mode."""
+    data, h, si, i, prof, out, inference = job
+    with torch.inference_mode(inference):
+        _decode_section(data, h, si, i, prof, out)
+
+
+def _decode_section(data: bytes, h: ChunkHeader, si: int, i: int, prof: Profile | None, out: torch.Tensor) -> None:
     """Decode section ``i`` into ``out`` (H, T, D); through a buffer of the chunk's dtype when
     ``out``'s differs, so the values are the chunk's own, then cast."""
-    data, h, si, i, prof, out = job
     mv = section_bytes(data, h, si)
     if prof is None:
         out.copy_(_decode_lossless(mv, h, int(out.shape[0]), int(out.shape[2]), i))
