@@ -91,6 +91,7 @@ class SaveSpec:
     block_ids: list[int]  # the blocks of [start, end)
     start: int
     end: int
+    context_end: int  # the prompt's length: the codec spends its bits on the tokens just before it
 
 
 @dataclass
@@ -320,7 +321,7 @@ class CacheGenConnector(KVConnectorBase_V1):
             if len(st.block_ids) * bs < b:
                 log.warning("request %s: blocks for tokens [%d, %d) not known; not saving them", req_id, a, b)
                 continue
-            meta.saves.append(SaveSpec(req_id, st.tokens[:b], st.block_ids[a // bs : b // bs], a, b))
+            meta.saves.append(SaveSpec(req_id, st.tokens[:b], st.block_ids[a // bs : b // bs], a, b, len(st.tokens)))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
@@ -445,7 +446,7 @@ class CacheGenConnector(KVConnectorBase_V1):
                 continue
             kv = self._layout.read(self._layers, spec.block_ids, spec.start)  # a copy: the blocks may be reused
             try:
-                self._saves.put_nowait((spec.tokens, kv))
+                self._saves.put_nowait((spec.tokens, kv, spec.context_end))
                 with self._lock:
                     self.stats.saves_queued += 1
             except queue.Full:
@@ -459,8 +460,8 @@ class CacheGenConnector(KVConnectorBase_V1):
             try:
                 if item is None:
                     return
-                tokens, kv = item
-                refs = self.setup.save_store().put_context(tokens, kv, self.setup.levels)
+                tokens, kv, end = item
+                refs = self.setup.save_store().put_context(tokens, kv, self.setup.levels, context_end=end)
                 with self._lock:
                     self.stats.chunks_saved += len(refs)
             except Exception as e:  # a failed save is a later miss, never a failed request
