@@ -274,26 +274,6 @@ def test_no_section_is_written_after_a_decode_ends(monkeypatch, stop):
     c.close()
 
 
-def test_pool_threads_run_torch_single_threaded_and_leave_the_callers_setting():
-    """Each pool thread calls torch's products; with torch's own OpenMP team per call, two
-    sections at once oversubscribed two cores. Only the pool's threads are lowered to one."""
-    import ctypes
-
-    if getattr(ctypes.CDLL(None), "omp_set_num_threads", None) is None:
-        pytest.skip("this torch build has no OpenMP symbol")
-    before = torch.get_num_threads()
-    c = Codec(threads=2)
-    assert c._pool is not None
-    assert [c._pool.submit(torch.get_num_threads).result() for _ in range(4)] == [1, 1, 1, 1]
-    assert torch.get_num_threads() == before
-    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-    seen: list[int] = []
-    t.start()
-    t.join()
-    assert seen == [before]  # other threads keep torch's setting
-    c.close()
-
-
 def test_a_codec_whose_arguments_were_refused_is_collected_silently(monkeypatch):
     caught: list = []
     monkeypatch.setattr(sys, "unraisablehook", caught.append)

@@ -11,7 +11,6 @@ into byte planes, rANS-coded with per-chunk tables (one stream per column).
 
 from __future__ import annotations
 
-import ctypes
 import math
 import struct
 import zlib
@@ -68,21 +67,6 @@ def _from_bytes(b: np.ndarray | memoryview, shape: tuple[int, ...], dtype: torch
     return torch.from_numpy(arr).view(iv).view(dtype).reshape(shape)
 
 
-def _one_kernel_thread() -> None:
-    """Run torch's kernels single-threaded on the calling thread (a codec pool thread) only.
-
-    Why: each of the pool's threads calls torch's products, and each call would start its
-    own team of OpenMP threads: two sections at once ran four threads on two cores, and a
-    whole 4K-token decode took 0.123 s instead of 0.108 s on 2 threads. OpenMP's thread count
-    is a per-thread setting, so the caller's (the model's prefill) is left as it is; torch
-    reads its setting lazily, so it is read first, then lowered. Without OpenMP's symbol
-    (another build of torch) nothing changes but the speed."""
-    torch.get_num_threads()
-    fn = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
-    if fn is not None:
-        fn(1)
-
-
 class Codec:
     """Encode/decode KV chunks (a :class:`~cachegen.codec.ChunkCodec`). ``profile=None`` makes chunks carry their own tables.
 
@@ -112,7 +96,7 @@ class Codec:
         ):
             raise ProfileMismatch(f"profile is for model {profile.model_fingerprint}, codec for {model_fingerprint}")
         self.threads = max(1, int(threads))
-        self._pool = ThreadPoolExecutor(self.threads, initializer=_one_kernel_thread) if self.threads > 1 else None
+        self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
 
     def _map(self, fn, items):
         return self._pool.map(fn, items) if self._pool else map(fn, items)

@@ -118,18 +118,25 @@ def unrope_grad(g: torch.Tensor, spec: RopeSpec | None, start: int) -> torch.Ten
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def rotate_rows(x, cos_h, sin_h):
-    """One head (T, D) float32, in place: the forward rotation of :func:`rope` (pairs
-    ``(j, j + r/2)``, ``r = 2 * cos_h.shape[1]``), value for value; the decoder's, which writes
-    into the cache itself, where :func:`rope` returns a new tensor."""
-    T = x.shape[0]
+def finish(z, mean, cos_h, sin_h, out):
+    """One head, float32: ``out[t] = rope(z[t] + mean)`` (pairs ``(j, j + r/2)``,
+    ``r = 2 * cos_h.shape[1]``, no rotation when it is 0: the forward rotation of :func:`rope`,
+    value for value), written into ``out``, a view of the cache itself.
+
+    Why one pass: the mean and the rotation each took a pass over the section, and a
+    concatenation with the sink tokens and a copy into the cache two more."""
+    T, D = z.shape
     r2 = cos_h.shape[1]
     for t in range(T):
-        o = x[t]
-        cr = cos_h[t]
-        sr = sin_h[t]
-        for j in range(r2):
-            a = o[j]
-            b = o[j + r2]
-            o[j] = a * cr[j] - b * sr[j]
-            o[j + r2] = b * cr[j] + a * sr[j]
+        zr = z[t]
+        o = out[t]
+        if r2:  # no rows of cos_h without rotary dims (a stand-in row per token allocated: 4x slower)
+            cr = cos_h[t]
+            sr = sin_h[t]
+            for j in range(r2):
+                a = zr[j] + mean[j]
+                b = zr[j + r2] + mean[j + r2]
+                o[j] = a * cr[j] - b * sr[j]
+                o[j + r2] = b * cr[j] + a * sr[j]
+        for j in range(2 * r2, D):
+            o[j] = zr[j] + mean[j]
