@@ -135,6 +135,7 @@ MODULES: tuple[Module, ...] = (
             "tests/codec/test_codec.py",
             "tests/codec/test_codec_paths.py",
             "tests/codec/test_finite_check.py",
+            "tests/codec/test_context_end.py",
             *_FAST,
         ),
         "H1",
