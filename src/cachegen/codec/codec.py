@@ -256,10 +256,13 @@ class Codec:
             for l in h.layers
         ]
         done = self._decode_sections(data, h, prof, layers)
-        for li, layer in enumerate(layers):
-            next(done)
-            next(done)
-            yield li, layer
+        try:
+            for li, layer in enumerate(layers):
+                next(done)
+                next(done)
+                yield li, layer
+        finally:
+            done.close()  # a caller that stops early: the sections still running end first
 
     def _decode_sections(self, data: bytes, h: ChunkHeader, prof: Profile | None, dst: list[KVLayer]) -> Iterator[None]:
         """Decode every section into ``dst``'s tensors (the pool's threads split them); yields
