@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import cast
 
@@ -264,7 +264,9 @@ class Codec:
         finally:
             done.close()  # a caller that stops early: the sections still running end first
 
-    def _decode_sections(self, data: bytes, h: ChunkHeader, prof: Profile | None, dst: list[KVLayer]) -> Iterator[None]:
+    def _decode_sections(
+        self, data: bytes, h: ChunkHeader, prof: Profile | None, dst: list[KVLayer]
+    ) -> Generator[None, None, None]:
         """Decode every section into ``dst``'s tensors (the pool's threads split them); yields
         once per section, in order, when it is written. When one fails, or the caller stops
         early, the rest are cancelled or waited for before this returns: no thread writes
