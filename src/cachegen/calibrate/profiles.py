@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +32,16 @@ CALIBRATION_VERSION = (
 # 5: token importance; 6: a second importance predictor for a known context end
 # Measured correction of the Fisher KL prediction (see docs/codec.md); scales every level's target.
 KL_SCALE = 1.0
+# Per model (by name): a factor on every level's KL target so that its levels land where SmolLM2's
+# do. A level's realized KL sits at a model-specific multiple of the Fisher prediction its steps
+# are set by; python -m cachegen.bench.level_placement measures that multiple on held-out
+# calibration text (results/level_placement.json) and prints these factors.
+KL_SCALES: dict[str, float] = {"gemma3-270m": 0.203}
+
+
+def kl_scale_for(loaded_model) -> float:
+    """The KL-target factor of ``loaded_model``'s default profile (:data:`KL_SCALES`)."""
+    return KL_SCALES.get(getattr(loaded_model, "name", ""), KL_SCALE)
 
 
 def pydoc_text(max_chars: int = 400_000) -> str:
@@ -104,6 +115,54 @@ def rope_specs(model) -> list[RopeSpec | None]:
     return out
 
 
+@dataclass(frozen=True)
+class CalibrationWindows:
+    """Token spans of the calibration text that each phase reads: ``samples`` (start, end) for the
+    PCA and tables, ``fisher`` and ``importance`` (start, context end, continuation end)."""
+
+    samples: list[tuple[int, int]]
+    fisher: list[tuple[int, int, int]]
+    importance: list[tuple[int, int, int]]
+
+    @property
+    def end(self) -> int:
+        """The first token no phase reads: held-out text starts there (when the text is long enough)."""
+        return max([b for _, b in self.samples] + [c for *_, c in self.fisher + self.importance])
+
+
+def calibration_windows(
+    n_tokens: int,
+    *,
+    sample_tokens: int = 1024,
+    n_samples: int = 2,
+    fisher_context: int = 512,
+    fisher_cont: int = 64,
+    n_fisher: int = 4,
+    importance_context: int = 2048,
+    importance_cont: int = 256,
+    n_importance: int = 2,
+) -> CalibrationWindows:
+    """Where :func:`calibrate_for_model` reads a calibration text of ``n_tokens``: the PCA samples
+    first, then the Fisher contexts, then the token-importance ones (each phase starts again from
+    the text's beginning when the rest is too short for it)."""
+    need = n_samples * sample_tokens
+    if n_tokens < max(need, fisher_context + fisher_cont):
+        raise ValueError(f"calibration text too short: {n_tokens} tokens")
+    samples = [(i * sample_tokens, (i + 1) * sample_tokens) for i in range(n_samples)]
+    span = fisher_context + fisher_cont
+    f0 = need if n_tokens >= need + n_fisher * span else 0
+    n_f = max(1, min(n_fisher, (n_tokens - f0) // span))
+    fisher = [(f0 + j * span, f0 + j * span + fisher_context, f0 + (j + 1) * span) for j in range(n_f)]
+    # token importance: long contexts (position and distance effects as in use), after the Fisher text
+    ispan = importance_context + importance_cont
+    i0 = f0 + n_f * span
+    if n_tokens < i0 + ispan:
+        i0 = 0
+    n_i = min(n_importance, (n_tokens - i0) // ispan) if n_importance > 0 else 0
+    imp = [(i0 + j * ispan, i0 + j * ispan + importance_context, i0 + (j + 1) * ispan) for j in range(n_i)]
+    return CalibrationWindows(samples, fisher, imp)
+
+
 def calibrate_for_model(
     loaded_model,
     texts: Sequence[str] | None = None,
@@ -115,7 +174,7 @@ def calibrate_for_model(
     n_fisher: int = 4,
     fisher_samples: int = 2,
     use_pca: bool = True,
-    kl_scale: float = KL_SCALE,
+    kl_scale: float | None = None,
     pre_rope: bool = True,
     importance_context: int = 2048,
     importance_cont: int = 256,
@@ -123,7 +182,8 @@ def calibrate_for_model(
     importance_samples: int = 1,
 ) -> Profile:
     """Profile for ``loaded_model`` (an engine ``LoadedModel``) from calibration ``texts``
-    (on transformers' own attention: :func:`~cachegen.engine.attention.stock_sdpa`)."""
+    (on transformers' own attention: :func:`~cachegen.engine.attention.stock_sdpa`).
+    ``kl_scale``: the factor on every level's KL target (default: the model's, :func:`kl_scale_for`)."""
     with stock_sdpa(loaded_model.model):
         model, tok = loaded_model.model, loaded_model.tokenizer
         if texts:
@@ -133,50 +193,36 @@ def calibrate_for_model(
 
             text = corpus.text("calib")
         ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
-        need = n_samples * sample_tokens
-        if ids.numel() < max(need, fisher_context + fisher_cont):
-            raise ValueError(f"calibration text too short: {ids.numel()} tokens")
-        samples = [context_kv(model, ids[i * sample_tokens : (i + 1) * sample_tokens]) for i in range(n_samples)]
-        span = fisher_context + fisher_cont
-        # Fisher contexts: after the PCA samples when the text is long enough, else from the start
-        f0 = need if ids.numel() >= need + n_fisher * span else 0
-        n_f = max(1, min(n_fisher, (ids.numel() - f0) // span))
-        pairs = [
-            (
-                ids[f0 + j * span : f0 + j * span + fisher_context],
-                ids[f0 + j * span + fisher_context : f0 + (j + 1) * span],
-            )
-            for j in range(n_f)
-        ]
+        w = calibration_windows(
+            ids.numel(),
+            sample_tokens=sample_tokens,
+            n_samples=n_samples,
+            fisher_context=fisher_context,
+            fisher_cont=fisher_cont,
+            n_fisher=n_fisher,
+            importance_context=importance_context,
+            importance_cont=importance_cont,
+            n_importance=n_importance,
+        )
+        samples = [context_kv(model, ids[a:b]) for a, b in w.samples]
+        pairs = [(ids[a:b], ids[b:c]) for a, b, c in w.fisher]
         rope = rope_specs(model) if pre_rope else None
         sens = fisher_matrices(model, pairs, samples=fisher_samples, rope=rope)
-        # token importance: long contexts (position and distance effects as in use), after the Fisher text
-        ispan = importance_context + importance_cont
-        i0 = f0 + n_f * span
-        if ids.numel() < i0 + ispan:
-            i0 = 0
-        n_i = min(n_importance, (ids.numel() - i0) // ispan) if n_importance > 0 else 0
-        ipairs = [
-            (
-                ids[i0 + j * ispan : i0 + j * ispan + importance_context],
-                ids[i0 + j * ispan + importance_context : i0 + (j + 1) * ispan],
-            )
-            for j in range(n_i)
-        ]
+        ipairs = [(ids[a:b], ids[b:c]) for a, b, c in w.importance]
         idata = token_sensitivity(model, ipairs, samples=importance_samples) if ipairs else None
         meta = {
             "calibration": "calib" if not texts else "custom",
             "sample_tokens": sample_tokens,
             "n_samples": n_samples,
-            "n_fisher": n_f,
-            "n_importance": n_i,
+            "n_fisher": len(pairs),
+            "n_importance": len(ipairs),
         }
         return calibrate(
             samples,
             loaded_model.fingerprint,
             use_pca=use_pca,
             sensitivity=sens,
-            kl_scale=kl_scale,
+            kl_scale=kl_scale_for(loaded_model) if kl_scale is None else kl_scale,
             meta=meta,
             rope=rope,
             importance_data=idata,
@@ -189,7 +235,7 @@ def load_or_calibrate(loaded_model, refresh: bool = False) -> Profile:
     if p.exists() and not refresh:
         try:
             prof = Profile.load(p)
-            want = {str(lv): KL_TARGETS[lv] * KL_SCALE for lv in LEVELS}
+            want = {str(lv): KL_TARGETS[lv] * kl_scale_for(loaded_model) for lv in LEVELS}
             if prof.model_fingerprint == loaded_model.fingerprint and prof.meta.get("kl_targets") == want:
                 return prof
             log.info("cached profile %s is stale (another level ladder): recalibrating", p)
