@@ -7,8 +7,8 @@ A level's steps are set so that the Fisher prediction of its KL meets the level'
 the realized KL lands from that prediction differs between models (Gemma-3's ~5x as far as
 SmolLM2's on this text, ~2x on the evaluation texts of bench codec_quality). For each model this
 encodes, at every level, contexts of the calibration text that calibration itself does not read
-(they start where :func:`calibration_windows` ends),
-measures KL on their continuation and reports the geometric mean of realized / target (``rho``).
+(they start where :func:`calibration_windows` ends), measures KL on their continuation and
+reports the geometric mean of realized / target (``rho``).
 The first model is the reference: another model's levels land where the reference's do when its
 KL targets are scaled by ``rho_ref x kl_scale_ref / rho`` (``suggested_kl_scale``). Evaluation
 texts are never read here.
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from cachegen.bench.baselines import Variant
 from cachegen.bench.quality_metrics import measure_quality
 from cachegen.calibrate import calibration_windows, context_kv, load_or_calibrate
 from cachegen.codec import KL_TARGETS, LEVELS, Codec
@@ -57,10 +58,8 @@ def placement(
             kv = context_kv(m.model, ids[s : s + context])
             for lv in levels:
 
-                def rt(x: KVCache, lv: int = lv) -> KVCache:
-                    return KVCache.concat(
-                        [codec.decode(codec.encode(c, lv, context_end=x.end)) for c in x.chunks(chunk)]
-                    )
+                def rt(x: KVCache, lv: int = lv) -> KVCache:  # each chunk as a store writes it
+                    return KVCache.concat([codec.decode(b) for b in Variant(codec, lv).encode_context(x, chunk)])
 
                 q = measure_quality(m.model, kv, ids[s + context : s + context + cont], rt)
                 rows.append(
