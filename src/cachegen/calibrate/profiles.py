@@ -20,7 +20,7 @@ import torch
 from cachegen import paths
 from cachegen.calibrate.sensitivity import context_kv, fisher_matrices, token_sensitivity
 from cachegen.codec.fit import calibrate
-from cachegen.codec.profile import KL_TARGETS, LEVELS, Profile
+from cachegen.codec.profile import Profile, kl_targets
 from cachegen.codec.rope import RopeSpec
 from cachegen.engine.attention import stock_sdpa
 
@@ -235,7 +235,7 @@ def load_or_calibrate(loaded_model, refresh: bool = False) -> Profile:
     if p.exists() and not refresh:
         try:
             prof = Profile.load(p)
-            want = {str(lv): KL_TARGETS[lv] * kl_scale_for(loaded_model) for lv in LEVELS}
+            want = kl_targets(kl_scale_for(loaded_model))
             if prof.model_fingerprint == loaded_model.fingerprint and prof.meta.get("kl_targets") == want:
                 return prof
             log.info("cached profile %s is stale (another level ladder): recalibrating", p)

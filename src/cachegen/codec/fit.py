@@ -26,6 +26,7 @@ from cachegen.codec.profile import (
     LevelParams,
     Profile,
     SectionParams,
+    kl_targets,
 )
 from cachegen.codec.rans import quantize_counts
 from cachegen.codec.rope import RopeSpec, unrope
@@ -307,7 +308,7 @@ def calibrate(
     m.setdefault("use_pca", use_pca)
     m.setdefault("sensitivity", sensitivity is not None)
     if sensitivity is not None:
-        m.setdefault("kl_targets", {str(lv): KL_TARGETS[lv] * kl_scale for lv in levels})
+        m.setdefault("kl_targets", kl_targets(kl_scale, levels))
     m.setdefault("weighted_basis", any(sp.inv is not None for sp in sections))
     m.setdefault("pre_rope_keys", any(sp.rope is not None for sp in sections))
     if m["weighted_basis"]:

@@ -48,6 +48,14 @@ LEVELS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
 # links. Measured on held-out text with the mixed calibration text the realized KL is 0.4-1.5x
 # nominal (GPL-3, pydoc-eval, GPL-2) to 1-2x (Apache-2.0): docs/codec.md.
 KL_TARGETS = {**{lv: 1e-4 * 2.2 ** (lv - 1) for lv in range(1, 7)}, 7: 2.5e-2}
+
+
+def kl_targets(kl_scale: float, levels: Sequence[int] = LEVELS) -> dict[str, float]:
+    """Each level's KL target at ``kl_scale`` as a profile's ``meta["kl_targets"]`` records it:
+    one expression for the fit that writes it and the cache check that compares against it."""
+    return {str(lv): KL_TARGETS[lv] * kl_scale for lv in levels}
+
+
 # step relative to the section RMS when calibrated without a model
 REL_STEPS = {1: 0.01, 2: 0.02, 3: 0.035, 4: 0.06, 5: 0.1, 6: 0.18, 7: 0.3}
 _MAX_JSON = 1 << 20
