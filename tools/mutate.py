@@ -146,6 +146,7 @@ MODULES: tuple[Module, ...] = (
         (
             "tests/codec/test_rans.py",
             "tests/codec/test_rans_oracles.py",
+            "tests/codec/test_rans_simd.py",
             "-k",
             "not generated_lanes_module_is_current and not generator_check_mode",
             *_FAST,

@@ -193,9 +193,9 @@ def test_threads_decide_where_sections_are_coded(monkeypatch):
     never the caller's; 0 or 1: all on the caller's thread, no pool. The bytes are the same."""
     caller = threading.get_ident()
     ran: list[int] = []
-    enc, dec = codec_mod._encode_lossless, codec_mod._decode_section_job
+    enc, dec = codec_mod._encode_lossless, codec_mod._decode_job
     monkeypatch.setattr(codec_mod, "_encode_lossless", lambda x: (ran.append(threading.get_ident()), enc(x))[1])
-    monkeypatch.setattr(codec_mod, "_decode_section_job", lambda j: (ran.append(threading.get_ident()), dec(j))[1])
+    monkeypatch.setattr(codec_mod, "_decode_job", lambda j: (ran.append(threading.get_ident()), dec(j))[1])
     kv = _kv(4, layers=3, tokens=8)
     assert Codec().threads == 2  # the default
     ref = None
@@ -243,10 +243,10 @@ def test_no_section_is_written_after_a_decode_ends(monkeypatch, stop):
     overwritten by a late section."""
     running: set[int] = set()
     lock = threading.Lock()
-    dec = codec_mod._decode_section_job
+    dec = codec_mod._decode_job
 
     def slow(job):
-        i = job[3]
+        i = job[2][0][1]  # the job's first section (lossless: one per job)
         with lock:
             running.add(i)
         try:
@@ -258,7 +258,7 @@ def test_no_section_is_written_after_a_decode_ends(monkeypatch, stop):
             with lock:
                 running.discard(i)
 
-    monkeypatch.setattr(codec_mod, "_decode_section_job", slow)
+    monkeypatch.setattr(codec_mod, "_decode_job", slow)
     c = Codec(threads=2)
     kv = _kv(5, layers=4, tokens=8)
     data = c.encode(kv, LOSSLESS)

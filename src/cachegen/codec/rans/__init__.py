@@ -26,7 +26,9 @@ Lower level: :class:`Tables` stacks models; :func:`encode_columns` /
 :func:`encode_interleaved` / :func:`decode_interleaved` code a whole
 token-major block as ONE word stream with :data:`LANES` shared states (column
 ``c`` on lane ``c % LANES``): the lossy codec's format, 64 bytes of state per
-section instead of 8 bytes per column.
+section instead of 8 bytes per column. :func:`decode_interleaved_many` decodes
+several such :class:`Block` s at once; on AVX-512 hosts :mod:`.simd` steps up to
+four of them side by side in one pass.
 
 Stream format: each stream is its final 32-bit state (two 16-bit words, high
 first) followed by its renormalisation words in decode order. :func:`encode`
@@ -34,7 +36,9 @@ wraps all streams as ``b"RANS" | u32 n_streams | u32 n | u8 precision |
 u32 lengths[n_streams] | u16 words[...]`` (little endian).
 
 Modules: :mod:`.model` (models, tables, the allocation bound), :mod:`.columns`,
-:mod:`.interleaved` (with the generated :mod:`._lanes` decoder), :mod:`.blob`.
+:mod:`.interleaved` (with the generated :mod:`._lanes` decoder), :mod:`.simd`
+(the AVX-512 decoder of interleaved streams, LLVM IR compiled by llvmlite),
+:mod:`.blob`.
 """
 
 from __future__ import annotations
@@ -42,9 +46,16 @@ from __future__ import annotations
 import numba
 
 from cachegen.codec import _numba_env  # noqa: F401  (sets NUMBA_CACHE_DIR before numba loads)
+from cachegen.codec.rans import simd
 from cachegen.codec.rans.blob import decode, encode
 from cachegen.codec.rans.columns import check_symbols, decode_columns, encode_columns
-from cachegen.codec.rans.interleaved import LANES, decode_interleaved, encode_interleaved
+from cachegen.codec.rans.interleaved import (
+    LANES,
+    Block,
+    decode_interleaved,
+    decode_interleaved_many,
+    encode_interleaved,
+)
 from cachegen.codec.rans.model import (
     MAX_PRECISION,
     MAX_SYMBOLS,
@@ -61,6 +72,7 @@ __all__ = [
     "MAX_PRECISION",
     "MAX_SYMBOLS",
     "RANS_L",
+    "Block",
     "Categorical",
     "Tables",
     "check_budget",
@@ -68,12 +80,14 @@ __all__ = [
     "decode",
     "decode_columns",
     "decode_interleaved",
+    "decode_interleaved_many",
     "encode",
     "encode_columns",
     "encode_interleaved",
     "min_bits",
     "num_threads_default",
     "quantize_counts",
+    "simd",
 ]
 
 

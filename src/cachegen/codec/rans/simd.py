@@ -1,0 +1,316 @@
+"""AVX-512 decoder of interleaved streams, several streams per pass, in LLVM IR compiled by llvmlite.
+
+Why: one interleaved stream is one chain of dependent steps per 16 symbols (gather the 16 table
+entries, multiply, compare, expand-load the renormalization words, next states), about 60 cycles
+long, so a single stream decodes at ~0.7 G symbols/s on one core however it is written (the
+unrolled numba kernel of :mod:`._lanes` reaches the same). Streams are independent, so this kernel
+steps up to :data:`GROUP` of them in lockstep: their chains overlap and four streams decode at
+~2.4 G symbols/s on one core (``cachegen bench codec`` prints the rate the codec gets). The format is
+unchanged: lane ``j`` of a group of 16 columns reads the next stream word exactly when the scalar
+decoder's lane ``j`` would, which is what ``vpexpandw`` does with the mask of lanes that renormalize.
+
+numba has no vector types, so the kernel is written as LLVM IR (generated below, one function per
+group size), compiled once per process by llvmlite (which numba already depends on) for the host
+CPU, and called through ctypes, which releases the GIL. It needs AVX-512 F/BW and VBMI2
+(``vpexpandw``); elsewhere, or with ``CACHEGEN_RANS_SIMD=0``, :func:`available` is False and the
+numba kernels decode. Only 12-bit-or-less tables with byte symbols (:attr:`Tables.packed`) and
+blocks whose width is a multiple of 16 take this path.
+
+Bounds: every table read is ``tab_idx[c] + row_idx[t]`` (checked by the caller) plus a slot below
+``2**prec``; after each group the kernel stops with a failure when the word position passed the
+stream's end, so a group's reads stay within the :data:`PAD` words after it; outputs are written
+only inside ``out``. A stream that fails or is not reached reports it through its result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+GROUP = 4  # streams per pass: 4 run at 2.4 G symbols/s on one core, 6 at 2.9, 8 at 2.8 (register spills)
+PAD = 16  # zero words after a stream: the most one group of 16 lanes reads past a position in bounds
+_NEEDS = ("avx512f", "avx512bw", "avx512vbmi2")
+_ARGS = ("words", "nw", "tb", "rb", "out", "groups", "S")  # then the result slot
+_POINTERS = {"words", "tb", "rb", "out"}
+_STATE = (("s", "<16 x i32>"), ("p", "i64"), ("c", "i64"), ("t", "i64"), ("ro", "i32"), ("o", "i64"), ("g", "i64"))
+
+
+@dataclass
+class Stream:
+    """One block's arrays as the kernel reads them (kept alive here for the duration of a call)."""
+
+    words: np.ndarray  # uint16: the stream, then PAD zero words
+    nwords: int
+    tb: np.ndarray  # int32 (S,): tab_idx * 2**prec
+    rb: np.ndarray  # int32 (n + 1,): row_idx * 2**prec, then 0 (read after the last row)
+    out: np.ndarray  # uint8 (n, S), C-contiguous
+    args: np.ndarray  # int64: the fields of _ARGS, then the result (-1 until the kernel writes it)
+
+
+def prepare(words: np.ndarray, tab_idx: np.ndarray, row_idx: np.ndarray, prec: int, out: np.ndarray) -> Stream:
+    """Arrays for one block: ``words`` at least 32 long, ``S % 16 == 0``, indexes already checked."""
+    n, S = out.shape
+    padded = np.zeros(words.size + PAD, dtype=np.uint16)
+    padded[: words.size] = words
+    tb = (tab_idx << prec).astype(np.int32)
+    rb = np.zeros(n + 1, dtype=np.int32)
+    rb[:n] = row_idx << prec
+    vals = (padded.ctypes.data, words.size, tb.ctypes.data, rb.ctypes.data, out.ctypes.data, n * S // 16, S, -1)
+    return Stream(padded, int(words.size), tb, rb, out, np.array(vals, dtype=np.int64))
+
+
+def decode_streams(streams: Sequence[Stream], packed: np.ndarray, prec: int) -> list[int]:
+    """Decode each stream into its ``out``; one count per stream, 0 iff it ended cleanly (as the
+    numba kernels count). Streams go through the kernel :data:`GROUP` at a time."""
+    kernels = _kernels()
+    pk = np.ascontiguousarray(packed, dtype=np.int32)
+    bad = []
+    for i in range(0, len(streams), GROUP):
+        part = streams[i : i + GROUP]
+        for s in part:
+            s.args[-1] = -1
+        kernels[len(part)](*(s.args.ctypes.data for s in part), pk.ctypes.data, prec)
+        for s in part:
+            if s.args[-1] < 0:  # another stream of the pass failed and ended it first: this one alone
+                kernels[1](s.args.ctypes.data, pk.ctypes.data, prec)
+            bad.append(int(s.args[-1]))
+    return bad
+
+
+def available() -> bool:
+    """Whether this process decodes with the AVX-512 kernel (the host has the features, it compiled,
+    and ``CACHEGEN_RANS_SIMD`` is not ``0``); checked once."""
+    return _available()
+
+
+def host_supported() -> bool:
+    """Whether the host CPU (and OS) offer what the kernel needs, as LLVM detects it."""
+    try:
+        import llvmlite.binding as llvm
+
+        feats = llvm.get_host_cpu_features()
+    except Exception:  # an llvmlite without the API: treated as a host without the features
+        return False
+    return all(feats.get(f, False) for f in _NEEDS)
+
+
+@functools.cache
+def _available() -> bool:
+    if os.environ.get("CACHEGEN_RANS_SIMD", "1") == "0" or not host_supported():
+        return False
+    try:
+        _kernels()
+    except Exception as e:  # a JIT failure: the numba kernels decode (the tests fail on such a host)
+        log.warning("AVX-512 rANS decoder unavailable (%s); using the scalar kernel", e)
+        return False
+    return True
+
+
+_lock = threading.Lock()
+_compiled: dict[int, Callable[..., None]] = {}
+_engines: list[object] = []  # the JIT engines own the machine code: keep them alive
+
+
+def _kernels() -> dict[int, Callable[..., None]]:
+    with _lock:
+        if not _compiled:
+            import llvmlite.binding as llvm
+
+            llvm.initialize_native_target()
+            llvm.initialize_native_asmprinter()
+            tm = llvm.Target.from_default_triple().create_target_machine(
+                cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
+            )
+            mod = llvm.parse_assembly(generate_ir())
+            mod.verify()
+            engine = llvm.create_mcjit_compiler(mod, tm)
+            engine.finalize_object()
+            _engines.append(engine)
+            ptr = ctypes.c_void_p
+            for k in range(1, GROUP + 1):
+                proto = ctypes.CFUNCTYPE(None, *([ptr] * (k + 1)), ctypes.c_int32)
+                _compiled[k] = proto(engine.get_function_address(f"rans_decode{k}"))
+        return _compiled
+
+
+# -- the IR ------------------------------------------------------------------------------------------------
+
+
+def generate_ir() -> str:
+    """LLVM IR of ``rans_decode1`` .. ``rans_decode{GROUP}``: ``(args_0, .., args_{k-1}, packed, prec)``."""
+    head = [
+        "declare <16 x i32> @llvm.masked.gather.v16i32.v16p0(<16 x ptr>, i32, <16 x i1>, <16 x i32>)",
+        "declare <16 x i16> @llvm.masked.expandload.v16i16(ptr, <16 x i1>, <16 x i16>)",
+        "declare <16 x i32> @llvm.fshl.v16i32(<16 x i32>, <16 x i32>, <16 x i32>)",
+        "declare i16 @llvm.ctpop.i16(i16)",
+    ]
+    return "\n".join(head + [_function(k) for k in range(1, GROUP + 1)]) + "\n"
+
+
+def _function(K: int) -> str:
+    """Streams step one group each per iteration while all have groups left; then each finishes alone."""
+    ks = [f"k{i}" for i in range(K)]
+    ir = [
+        f"define void @rans_decode{K}({', '.join(f'ptr noalias %arg{i}' for i in range(K))}, ptr noalias %pk, i32 %prec) {{",
+        "entry:",
+        *(_load_args(k, i) for i, k in enumerate(ks)),
+        "  %m1 = sub i32 0, 1",
+        "  %mbits = sub i32 32, %prec",
+        "  %m = lshr i32 %m1, %mbits",
+        "  %mi = insertelement <16 x i32> poison, i32 %m, i64 0",
+        "  %maskv = shufflevector <16 x i32> %mi, <16 x i32> poison, <16 x i32> zeroinitializer",
+        "  %pi = insertelement <16 x i32> poison, i32 %prec, i64 0",
+        "  %precv = shufflevector <16 x i32> %pi, <16 x i32> poison, <16 x i32> zeroinitializer",
+        *_all_positive("E", [f"%{k}_groups" for k in ks]),
+        f"  br i1 %allE_{K - 1}, label %multi, label %multi_exit",
+        "multi:",
+        *(_phis(k, "P", [("entry", _initial(k)), ("latch", _next(k, "P"))]) for k in ks),
+    ]
+    for i, k in enumerate(ks):
+        nxt = f"step{i + 1}" if i + 1 < K else "latch"
+        ir += [_step(k, "P", nxt), f"{nxt}:"]
+    ir += [*_all_positive("L", [f"%{k}_g1_P" for k in ks]), f"  br i1 %allL_{K - 1}, label %multi, label %multi_exit"]
+    ir.append("multi_exit:")
+    for k in ks:
+        for name, ty in _STATE:
+            ir.append(f"  %{k}_{name}_X = phi {ty} [{_initial(k)[name]}, %entry], [{_next(k, 'P')[name]}, %latch]")
+    pre = "multi_exit"
+    for i, k in enumerate(ks):
+        nxt = f"alone{i + 1}" if i + 1 < K else "done"
+        here = {n: f"%{k}_{n}_X" for n, _ in _STATE}
+        ir += [
+            f"  %{k}_more = icmp sgt i64 %{k}_g_X, 0",
+            f"  br i1 %{k}_more, label %{k}_loop, label %{k}_end",
+            f"{k}_loop:",
+            _phis(k, "S", [(pre, here), (f"{k}_latch", _next(k, "S"))]),
+            _step(k, "S", f"{k}_latch"),
+            f"{k}_latch:",
+            f"  %{k}_again = icmp sgt i64 %{k}_g1_S, 0",
+            f"  br i1 %{k}_again, label %{k}_loop, label %{k}_end",
+            f"{k}_end:",
+        ]
+        for name, ty in _STATE:
+            ir.append(f"  %{k}_{name}_E = phi {ty} [%{k}_{name}_X, %{pre}], [{_next(k, 'S')[name]}, %{k}_latch]")
+        ir += [_result(k), f"  br label %{nxt}", f"{nxt}:"]
+        pre = nxt
+    ir.append("  ret void")
+    for k in ks:
+        ir += [f"{k}_fail:", f"  store i64 1, ptr %{k}_res, align 8", "  ret void"]
+    ir.append("}")
+    return "\n".join(ir)
+
+
+def _load_args(k: str, i: int) -> str:
+    lines = []
+    for j, f in enumerate(_ARGS):
+        lines.append(f"  %{k}_{f}_at = getelementptr i64, ptr %arg{i}, i64 {j}")
+        if f in _POINTERS:
+            lines += [
+                f"  %{k}_{f}_i = load i64, ptr %{k}_{f}_at, align 8",
+                f"  %{k}_{f} = inttoptr i64 %{k}_{f}_i to ptr",
+            ]
+        else:
+            lines.append(f"  %{k}_{f} = load i64, ptr %{k}_{f}_at, align 8")
+    lines += [
+        f"  %{k}_res = getelementptr i64, ptr %arg{i}, i64 {len(_ARGS)}",
+        # the 16 initial states: word 2j high, word 2j + 1 low (little-endian i32 loads swap them)
+        f"  %{k}_raw = load <16 x i32>, ptr %{k}_words, align 2",
+        f"  %{k}_s0 = call <16 x i32> @llvm.fshl.v16i32(<16 x i32> %{k}_raw, <16 x i32> %{k}_raw, <16 x i32> splat (i32 16))",
+        f"  %{k}_ro0 = load i32, ptr %{k}_rb, align 4",
+    ]
+    return "\n".join(lines)
+
+
+def _all_positive(tag: str, values: list[str]) -> list[str]:
+    lines, acc = [], "true"
+    for i, v in enumerate(values):
+        lines += [f"  %pos{tag}_{i} = icmp sgt i64 {v}, 0", f"  %all{tag}_{i} = and i1 {acc}, %pos{tag}_{i}"]
+        acc = f"%all{tag}_{i}"
+    return lines
+
+
+def _initial(k: str) -> dict[str, str]:
+    return {"s": f"%{k}_s0", "p": "32", "c": "0", "t": "0", "ro": f"%{k}_ro0", "o": "0", "g": f"%{k}_groups"}
+
+
+def _next(k: str, loop: str) -> dict[str, str]:
+    return {n: f"%{k}_{n}1_{loop}" for n, _ in _STATE}
+
+
+def _phis(k: str, loop: str, sources: list[tuple[str, dict[str, str]]]) -> str:
+    return "\n".join(
+        f"  %{k}_{n}_{loop} = phi {ty} " + ", ".join(f"[{vals[n]}, %{label}]" for label, vals in sources)
+        for n, ty in _STATE
+    )
+
+
+def _step(k: str, loop: str, nxt: str) -> str:
+    """One group of 16 columns of stream ``k``: decode, renormalize, store, advance (row, column, words)."""
+
+    def v(name: str) -> str:
+        return f"%{k}_{name}_{loop}"
+
+    vec = "<16 x i32>"
+    return f"""  {v("slot")} = and {vec} {v("s")}, %maskv
+  {v("tbp")} = getelementptr i32, ptr %{k}_tb, i64 {v("c")}
+  {v("tbv")} = load {vec}, ptr {v("tbp")}, align 4
+  {v("roi")} = insertelement {vec} poison, i32 {v("ro")}, i64 0
+  {v("rov")} = shufflevector {vec} {v("roi")}, {vec} poison, {vec} zeroinitializer
+  {v("base")} = add {vec} {v("tbv")}, {v("rov")}
+  {v("idx")} = add {vec} {v("base")}, {v("slot")}
+  {v("ptrs")} = getelementptr i32, ptr %pk, {vec} {v("idx")}
+  {v("e")} = call {vec} @llvm.masked.gather.v16i32.v16p0(<16 x ptr> {v("ptrs")}, i32 4, <16 x i1> splat (i1 true), {vec} poison)
+  {v("fq")} = lshr {vec} {v("e")}, splat (i32 12)
+  {v("fm")} = and {vec} {v("fq")}, splat (i32 4095)
+  {v("freq")} = add {vec} {v("fm")}, splat (i32 1)
+  {v("hi")} = lshr {vec} {v("s")}, %precv
+  {v("prod")} = mul {vec} {v("freq")}, {v("hi")}
+  {v("bias")} = and {vec} {v("e")}, splat (i32 4095)
+  {v("x")} = add {vec} {v("prod")}, {v("bias")}
+  {v("need")} = icmp ult {vec} {v("x")}, splat (i32 65536)
+  {v("wp")} = getelementptr i16, ptr %{k}_words, i64 {v("p")}
+  {v("w")} = call <16 x i16> @llvm.masked.expandload.v16i16(ptr {v("wp")}, <16 x i1> {v("need")}, <16 x i16> zeroinitializer)
+  {v("wz")} = zext <16 x i16> {v("w")} to {vec}
+  {v("xs")} = shl {vec} {v("x")}, splat (i32 16)
+  {v("xw")} = or {vec} {v("xs")}, {v("wz")}
+  {v("s1")} = select <16 x i1> {v("need")}, {vec} {v("xw")}, {vec} {v("x")}
+  {v("nb")} = bitcast <16 x i1> {v("need")} to i16
+  {v("cnt")} = call i16 @llvm.ctpop.i16(i16 {v("nb")})
+  {v("cnt64")} = zext i16 {v("cnt")} to i64
+  {v("p1")} = add i64 {v("p")}, {v("cnt64")}
+  {v("sy")} = lshr {vec} {v("e")}, splat (i32 24)
+  {v("sym")} = trunc {vec} {v("sy")} to <16 x i8>
+  {v("op")} = getelementptr i8, ptr %{k}_out, i64 {v("o")}
+  store <16 x i8> {v("sym")}, ptr {v("op")}, align 1
+  {v("o1")} = add i64 {v("o")}, 16
+  {v("g1")} = sub i64 {v("g")}, 1
+  {v("cc")} = add i64 {v("c")}, 16
+  {v("wrap")} = icmp eq i64 {v("cc")}, %{k}_S
+  {v("c1")} = select i1 {v("wrap")}, i64 0, i64 {v("cc")}
+  {v("dt")} = zext i1 {v("wrap")} to i64
+  {v("t1")} = add i64 {v("t")}, {v("dt")}
+  {v("rbp")} = getelementptr i32, ptr %{k}_rb, i64 {v("t1")}
+  {v("ro1")} = load i32, ptr {v("rbp")}, align 4
+  {v("over")} = icmp ugt i64 {v("p1")}, %{k}_nw
+  br i1 {v("over")}, label %{k}_fail, label %{nxt}"""
+
+
+def _result(k: str) -> str:
+    """Stream ``k``'s count: 1 when the words were not used up exactly, plus one per lane off its initial state."""
+    return f"""  %{k}_pbad = icmp ne i64 %{k}_p_E, %{k}_nw
+  %{k}_pbad64 = zext i1 %{k}_pbad to i64
+  %{k}_sbad = icmp ne <16 x i32> %{k}_s_E, splat (i32 65536)
+  %{k}_sbits = bitcast <16 x i1> %{k}_sbad to i16
+  %{k}_scnt = call i16 @llvm.ctpop.i16(i16 %{k}_sbits)
+  %{k}_scnt64 = zext i16 %{k}_scnt to i64
+  %{k}_bad = add i64 %{k}_pbad64, %{k}_scnt64
+  store i64 %{k}_bad, ptr %{k}_res, align 8"""

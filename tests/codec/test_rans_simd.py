@@ -1,0 +1,249 @@
+"""The AVX-512 decoder of interleaved streams (:mod:`cachegen.codec.rans.simd`) against the numba kernels.
+
+Every test decodes the same streams both ways: the numba kernels are the reference (their own
+tests check them against a plain-Python coder), and a stream the scalar decoder refuses must be
+refused here too. Skipped where the host lacks AVX-512 VBMI2 (the decoder is then never used)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cachegen.codec import Codec, calibrate, rans
+from cachegen.codec.rans import interleaved, simd
+from cachegen.errors import CorruptChunk
+from cachegen.kv import KVCache, KVLayer
+from codec.samples import planted_sensitivity
+
+pytestmark = pytest.mark.skipif(not simd.host_supported(), reason="host without AVX-512 F/BW/VBMI2")
+
+
+def test_the_kernel_compiles_and_is_used_on_this_host():
+    """On a host with the features the kernel is in use: an IR that no longer compiles would fall
+    back to the numba kernel with a warning, and every other test here would pass on that kernel."""
+    assert sorted(simd._kernels()) == list(range(1, simd.GROUP + 1))
+    assert simd.available() or os.environ.get("CACHEGEN_RANS_SIMD") == "0"
+
+
+@pytest.fixture
+def scalar(monkeypatch):
+    """Within the test, decode_interleaved_many uses the numba kernels (a callable switches back)."""
+
+    def use(on: bool) -> None:
+        monkeypatch.setattr(simd, "available", lambda: on)
+
+    return use
+
+
+def _tables(rng, n_tables: int, alphabet: int, prec: int = 12) -> rans.Tables:
+    """Random models; every other one has a symbol of probability ~0.9 (a KV section's zero), so
+    slots run far past their symbol's start (the 12-bit ``slot - cum`` field uses its top bits)."""
+    models = []
+    for k in range(n_tables):
+        counts = 1 + (rng.dirichlet(np.full(alphabet, rng.uniform(0.05, 3))) * 5000).astype(np.int64)
+        if k % 2:
+            counts[rng.integers(0, alphabet)] += 9 * int(counts.sum())
+        models.append(rans.Categorical.from_counts(counts, prec))
+    return rans.Tables.build(models)
+
+
+def _block(rng, tables: rans.Tables, n: int, S: int) -> tuple[rans.Block, np.ndarray]:
+    """A random block coded with column tables 2..4 and row shifts -2..2 (both kinds of index)."""
+    idx = rng.integers(2, tables.n_tables - 2, S)
+    shift = rng.integers(-2, 3, n)
+    sym = np.empty((n, S), np.uint8)
+    for t in range(n):
+        for c in range(S):
+            f = tables.freq[idx[c] + shift[t]]
+            sym[t, c] = rng.choice(f.size, p=f / f.sum())
+    words = rans.encode_interleaved(sym, idx, tables, row_shift=shift)
+    return rans.Block(words, n, idx, shift), sym
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.sampled_from([16, 32, 48, 192, 7, 20])), min_size=1, max_size=9),
+    st.integers(0, 2**31),
+    st.sampled_from([9, 12]),
+)
+def test_blocks_of_any_count_and_shape_decode_as_the_scalar_kernel_does(shapes, seed, prec):
+    """Any number of blocks (passes of 1..GROUP and a remainder), each of its own length and width
+    (widths that are not a multiple of 16 take the numba kernel within the same call)."""
+    rng = np.random.default_rng(seed)
+    tables = _tables(rng, 7, int(rng.integers(2, 256)), prec)
+    blocks, syms = zip(*(_block(rng, tables, n, S) for n, S in shapes), strict=True)
+    outs = rans.decode_interleaved_many(list(blocks), tables)
+    for out, sym in zip(outs, syms, strict=True):
+        assert out.dtype == np.uint8 and np.array_equal(out, sym)
+
+
+def _damage(rng, words: np.ndarray) -> np.ndarray:
+    w = words.copy()
+    kind = rng.integers(0, 4)
+    if kind == 0:  # one word replaced
+        w[rng.integers(0, w.size)] = rng.integers(0, 1 << 16)
+    elif kind == 1:  # cut short, but never below its states
+        return w[: max(32, w.size - int(rng.integers(1, 40)))]
+    elif kind == 2:  # longer
+        return np.append(w, rng.integers(0, 1 << 16, int(rng.integers(1, 5))).astype(np.uint16))
+    else:  # a run of junk
+        p = int(rng.integers(0, w.size))
+        w[p : p + 8] = rng.integers(0, 1 << 16, w[p : p + 8].size)
+    return w
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**31))
+def test_a_damaged_stream_is_refused_exactly_when_the_scalar_kernel_refuses_it(seed):
+    """Damaged words (replaced, cut, extended, junk runs, including stop-early cuts that end a pass
+    with its other streams unfinished): the verdict is the scalar kernel's, and the streams that
+    decode give the scalar kernel's symbols. Junk never makes the kernel read or write out of
+    bounds (which would crash this process, not fail the assert)."""
+    rng = np.random.default_rng(seed)
+    tables = _tables(rng, 7, 40)
+    pairs = [_block(rng, tables, int(rng.integers(1, 30)), 32) for _ in range(int(rng.integers(1, 6)))]
+    hit = int(rng.integers(0, len(pairs)))
+    blocks = [
+        b if k != hit else rans.Block(_damage(rng, b.words), b.n, b.table_index, b.row_shift)
+        for k, (b, _) in enumerate(pairs)
+    ]
+    streams = [
+        simd.prepare(np.asarray(b.words), *_split(b, tables), tables.precision, np.empty((b.n, 32), np.uint8))
+        for b in blocks
+    ]
+    verdicts = simd.decode_streams(streams, tables.packed, tables.precision)
+    for b, s, v in zip(blocks, streams, verdicts, strict=True):
+        ref = np.empty((b.n, 32), np.uint8)
+        padded = np.zeros(b.words.size + 33, np.uint16)
+        padded[: b.words.size] = b.words
+        cols, rows = _split(b, tables)
+        want = interleaved.decode_lanes(padded, b.words.size, cols, rows, tables.packed, tables.precision, ref)
+        assert (v == 0) == (want == 0)
+        if v == 0:
+            assert np.array_equal(s.out, ref)
+    for k, (b, sym) in enumerate(pairs):  # the undamaged ones, through the public call, in the same pass
+        if k != hit:
+            assert np.array_equal(rans.decode_interleaved_many([b], tables)[0], sym)
+
+
+def _both(words: np.ndarray, n: int, S: int, cols: np.ndarray, rows: np.ndarray, tables: rans.Tables):
+    """(count, symbols) from the AVX-512 kernel and from the numba kernel, for one stream."""
+    fast = simd.prepare(words, cols, rows, tables.precision, np.empty((n, S), np.uint8))
+    (count,) = simd.decode_streams([fast], tables.packed, tables.precision)
+    ref = np.empty((n, S), np.uint8)
+    padded = np.zeros(words.size + S + 1, np.uint16)
+    padded[: words.size] = words
+    want = interleaved.decode_lanes(padded, words.size, cols, rows, tables.packed, tables.precision, ref)
+    return (count, fast.out), (want, ref)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31), st.integers(1, 12), st.sampled_from([16, 48]))
+def test_junk_that_never_runs_out_decodes_to_the_scalar_kernels_symbols_and_count(seed, n, S):
+    """Random words, at least as many as the block could read (so neither kernel stops early): from
+    any states, both kernels take the same steps, so the symbols and the count of lanes off their
+    initial state are the same."""
+    rng = np.random.default_rng(seed)
+    tables = _tables(rng, 5, int(rng.integers(2, 200)))
+    words = rng.integers(0, 1 << 16, n * S + 32 + int(rng.integers(0, 9))).astype(np.uint16)
+    cols, rows = rng.integers(0, 5, S), np.zeros(n, np.int64)
+    (count, out), (want, ref) = _both(words, n, S, cols, rows, tables)
+    assert count == want and np.array_equal(out, ref)
+
+
+def test_a_state_of_exactly_0xffff_renormalizes():
+    """The renormalization bound is ``x < 2**16``: with a symbol of probability 1 a lane keeps its
+    state, so a lane started at 0xFFFF reads one word (and then ends in the initial state only if
+    that word makes it 65536: it cannot), where a bound off by one would read none."""
+    tables = rans.Tables.build([rans.Categorical(np.array([4096]), 12)])
+    states = [65535] + [65536] * 15
+    words = np.array([w for x in states for w in (x >> 16, x & 0xFFFF)] + [9], np.uint16)
+    (count, out), (want, ref) = _both(words, 2, 16, np.zeros(16, np.int64), np.zeros(2, np.int64), tables)
+    assert count == want == 1 and not out.any() and not ref.any()  # all words read; lane 0 off its state
+
+
+def _split(b: rans.Block, tables: rans.Tables) -> tuple[np.ndarray, np.ndarray]:
+    return interleaved._table_indexes(
+        b.n, len(b.table_index), b.table_index, b.row_shift, tables.n_tables, CorruptChunk
+    )
+
+
+def test_one_refused_block_refuses_the_call_and_the_others_still_decode_alone(scalar):
+    rng = np.random.default_rng(5)
+    tables = _tables(rng, 7, 30)
+    pairs = [_block(rng, tables, 25, 48) for _ in range(4)]
+    blocks = [b for b, _ in pairs]
+    bad = rans.Block(np.append(blocks[0].words, np.uint16(7)), 25, blocks[0].table_index, blocks[0].row_shift)
+    with pytest.raises(CorruptChunk, match="rANS stream did not end in the initial state"):
+        rans.decode_interleaved_many([bad, *blocks[1:]], tables)
+    # the first stream of the pass failing early leaves the others unfinished: decode_streams runs them alone
+    cols, rows = _split(bad, tables)
+    cut = simd.prepare(bad.words[:40], cols, rows, tables.precision, np.empty((25, 48), np.uint8))
+    rest = [
+        simd.prepare(np.asarray(b.words), *_split(b, tables), tables.precision, np.empty((25, 48), np.uint8))
+        for b in blocks[1:]
+    ]
+    assert simd.decode_streams([cut, *rest], tables.packed, tables.precision) == [1, 0, 0, 0]
+    for s, (_, sym) in zip(rest, pairs[1:], strict=True):
+        assert np.array_equal(s.out, sym)
+
+
+def _kv(seed: int, layers: int = 3, tokens: int = 80) -> KVCache:
+    """K sections 2 x 16 wide (the AVX-512 decoder), V sections 2 x 4 wide (the numba kernel)."""
+    g = torch.Generator().manual_seed(seed)
+    return KVCache(
+        [
+            KVLayer(torch.randn(2, tokens, 16, generator=g) * (1 + i), torch.randn(2, tokens, 4, generator=g))
+            for i in range(layers)
+        ]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_codec_decodes_the_same_values_with_either_kernel(scalar, dtype):
+    """A whole lossy chunk with token importance (a multiplier stream per section), decoded into a
+    cache of the chunk's dtype and of another: the AVX-512 decoder (sections grouped four to a
+    job) gives the numba kernels' values (one section per job)."""
+    imp = _kv(300, tokens=300)
+    prof = calibrate([_kv(1), _kv(2)], "fp-simd", importance_data=[(imp, planted_sensitivity(imp))])
+    codec = Codec(prof, threads=2)
+    data = codec.encode(_kv(3).to(dtype), 3)
+    fast = codec.decode(data)
+    into = KVCache.allocate(fast, 80, start=0, dtype=torch.float32 if dtype != torch.float32 else torch.bfloat16)
+    codec.decode_into(data, into)
+    scalar(False)
+    slow = codec.decode(data)
+    for a, b, c in zip(fast.layers, slow.layers, into.layers, strict=True):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        assert torch.equal(c.k, b.k.to(c.k.dtype)) and torch.equal(c.v, b.v.to(c.v.dtype))
+    codec.close()
+
+
+def test_the_environment_switch_turns_it_off(monkeypatch):
+    simd._available.cache_clear()
+    try:
+        monkeypatch.setenv("CACHEGEN_RANS_SIMD", "0")
+        assert not simd.available()
+        monkeypatch.setenv("CACHEGEN_RANS_SIMD", "1")
+        simd._available.cache_clear()
+        assert simd.available()
+    finally:
+        simd._available.cache_clear()
+
+
+def test_generated_ir_has_one_function_per_group_size():
+    ir = simd.generate_ir()
+    assert [f"@rans_decode{k}(" in ir for k in range(1, simd.GROUP + 2)] == [True] * simd.GROUP + [False]
+
+
+def test_sections_are_split_into_jobs_the_threads_share_evenly():
+    sections = list(range(60))
+    for threads, n_jobs in ((1, 15), (2, 16), (3, 15), (4, 16)):
+        jobs = Codec(threads=threads)._split(sections, lossy=True)
+        assert len(jobs) == n_jobs and [s for j in jobs for s in j] == sections
+        assert {len(j) for j in jobs} <= {3, 4}
+    assert Codec(threads=2)._split([0, 1], lossy=True) == [[0], [1]]
+    assert Codec(threads=2)._split([0, 1, 2], lossy=False) == [[0], [1], [2]]
