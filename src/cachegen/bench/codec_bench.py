@@ -6,7 +6,8 @@ Encode/decode time the whole ``context_tokens`` KV as one chunk, bytes <-> KVCac
 The entropy figures time :func:`cachegen.codec.rans.decode_interleaved_many` /
 :func:`~cachegen.codec.rans.encode_interleaved` alone over all sections (best
 of 5), split over ``threads`` Python threads the way the codec splits them
-(four sections to a decode job where the AVX-512 decoder runs, one elsewhere).
+(:func:`cachegen.codec.codec.decode_jobs`: 3-4 sections to a decode job where the
+AVX-512 decoder runs, one elsewhere).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _text_ids(tok, n: int):
 
 def _entropy_speed(prof, kv, level: int, threads: int) -> tuple[float, float]:
     """(decode, encode) M symbols/s of the rANS coder alone (as the codec uses it), sections split over threads."""
-    from cachegen.codec.codec import layer_inputs, section_symbols
+    from cachegen.codec.codec import decode_jobs, layer_inputs, section_symbols
     from cachegen.codec.profile import TABLE_PAD
 
     lp = prof.levels[level]
@@ -49,8 +50,7 @@ def _entropy_speed(prof, kv, level: int, threads: int) -> tuple[float, float]:
             )
     n = sum(j[1] * j[2].size for j in jobs)
     blocks = [rans.Block(j[0], j[1], j[2], j[4]) for j in jobs]
-    per = rans.simd.GROUP if rans.simd.available() else 1  # as the codec's jobs take its sections
-    groups = [blocks[i : i + per] for i in range(0, len(blocks), per)]
+    groups = decode_jobs(blocks, threads)  # as the codec's decode jobs take its sections
     with ThreadPoolExecutor(threads) as ex:
         td = best_time(lambda: list(ex.map(lambda g: rans.decode_interleaved_many(g, tables), groups)), 5)
         te = best_time(lambda: list(ex.map(lambda j: rans.encode_interleaved(j[3], j[2], tables, j[4]), jobs)), 5)

@@ -297,16 +297,8 @@ class Codec:
             wait(futures)
 
     def _split(self, sections: list, lossy: bool) -> list[list]:
-        """Sections into jobs. Lossy ones go up to ``rans.simd.GROUP`` to a job where the AVX-512
-        decoder runs (their rANS streams decode side by side), in a number of jobs that the
-        threads share evenly (60 sections: 16 jobs of 3-4 on two threads, not 15 of 4 with one
-        thread doing a job more); otherwise one section per job."""
-        if not (lossy and rans.simd.available()):
-            return [[s] for s in sections]
-        n_jobs = -(-len(sections) // rans.simd.GROUP)
-        n_jobs = -(-n_jobs // self.threads) * self.threads
-        bounds = [len(sections) * j // n_jobs for j in range(n_jobs + 1)]
-        return [sections[a:b] for a, b in pairwise(bounds) if b > a]
+        """Sections into jobs: :func:`decode_jobs` for lossy ones, one section per job otherwise."""
+        return decode_jobs(sections, self.threads) if lossy else [[s] for s in sections]
 
     def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
         """The chunk's KV; with ``key``, only if the chunk was written for that chunk key."""
@@ -349,6 +341,19 @@ class Codec:
                 pool.shutdown(wait=False)
             except Exception:
                 pass
+
+
+def decode_jobs(sections: list, threads: int) -> list[list]:
+    """Lossy sections into decode jobs. Where the AVX-512 decoder runs, up to ``rans.simd.GROUP``
+    to a job (their rANS streams decode side by side), in a number of jobs that the threads share
+    evenly (60 sections: 16 jobs of 3-4 on two threads, not 15 of 4 with one thread doing a job
+    more); otherwise one section per job."""
+    if not rans.simd.available():
+        return [[s] for s in sections]
+    n_jobs = -(-len(sections) // rans.simd.GROUP)
+    n_jobs = -(-n_jobs // threads) * threads
+    bounds = [len(sections) * j // n_jobs for j in range(n_jobs + 1)]
+    return [sections[a:b] for a, b in pairwise(bounds) if b > a]
 
 
 def quant_levels() -> tuple[int, ...]:

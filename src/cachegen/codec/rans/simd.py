@@ -49,7 +49,6 @@ class Stream:
     """One block's arrays as the kernel reads them (kept alive here for the duration of a call)."""
 
     words: np.ndarray  # uint16: the stream, then PAD zero words
-    nwords: int
     tb: np.ndarray  # int32 (S,): tab_idx * 2**prec
     rb: np.ndarray  # int32 (n + 1,): row_idx * 2**prec, then 0 (read after the last row)
     out: np.ndarray  # uint8 (n, S), C-contiguous
@@ -65,7 +64,7 @@ def prepare(words: np.ndarray, tab_idx: np.ndarray, row_idx: np.ndarray, prec: i
     rb = np.zeros(n + 1, dtype=np.int32)
     rb[:n] = row_idx << prec
     vals = (padded.ctypes.data, words.size, tb.ctypes.data, rb.ctypes.data, out.ctypes.data, n * S // 16, S, -1)
-    return Stream(padded, int(words.size), tb, rb, out, np.array(vals, dtype=np.int64))
+    return Stream(padded, tb, rb, out, np.array(vals, dtype=np.int64))
 
 
 def decode_streams(streams: Sequence[Stream], packed: np.ndarray, prec: int) -> list[int]:
