@@ -320,12 +320,16 @@ def test_top_level_cli_bench_codec_on_a_tiny_model(tmp_path, tiny_lm, capsys, mo
     tiny_lm.model.save_pretrained(d)
     tiny_lm.tokenizer.save_pretrained(d)
     out = tmp_path / "codec.json"
-    rc = main(["bench", "codec", "--model", str(d), "--context-tokens", "96", "--levels", "0,3", "--json", str(out)])
-    assert rc == 0
+    args = ["bench", "codec", "--model", str(d), "--context-tokens", "96", "--levels", "0,3", "--json", str(out)]
+    assert main([*args, "--chunk-tokens", "32"]) == 0
     rows = json.loads(out.read_text())
     rows = rows["rows"] if isinstance(rows, dict) else rows
     assert [r["level"] for r in rows] == [0, 3]
     for f in ("codec", "level", "encode_mvalues_s", "decode_mvalues_s", "entropy_decode_msymbols_s", "bits_per_value"):
         assert f in rows[1]
+    assert all(r["chunk_tokens"] == 32 and r["chunked_decode_s"] > 0 and r["batched_decode_s"] > 0 for r in rows)
     assert rows[1]["entropy_decode_msymbols_s"] > 0 and 0 < rows[1]["bits_per_value"] < rows[0]["bits_per_value"]
     assert "rANS dec" in capsys.readouterr().out
+    assert main([*args, "--chunk-tokens", "0"]) != 0
+    err = capsys.readouterr().err
+    assert "--chunk-tokens must be at least 1" in err and "Traceback" not in err

@@ -246,7 +246,7 @@ def test_no_section_is_written_after_a_decode_ends(monkeypatch, stop):
     dec = codec_mod._decode_job
 
     def slow(job):
-        i = job[2][0][1]  # the job's first section (lossless: one per job)
+        i = job.sections[0][0]  # the job's first section (lossless: one per job)
         with lock:
             running.add(i)
         try:

@@ -46,12 +46,15 @@ def make_chunks(n: int, sizes: dict[int, int] = SIZES, tokens: int = TOKENS, fir
     return [PlanChunk(i, i * tokens, tokens, 0, dict(sizes)) for i in range(first, first + n)]
 
 
-def step(net: float, cpu: float, c: PlanChunk, o, gbps: float, costs: CostModel) -> tuple[float, float]:
-    """(link free, compute free) after chunk ``c`` at option ``o``."""
+def step(net: float, cpu: float, c: PlanChunk, o, gbps: float, costs: CostModel, prev=None) -> tuple[float, float]:
+    """(link free, compute free) after chunk ``c`` at option ``o``; a chunk that arrives before the
+    compute stage is free, after one of its own level (``prev``), joins that chunk's batch: it is
+    decoded at its batched cost."""
     if o == TEXT:
         return net, cpu + costs.recompute_s(c.start, c.num_tokens)
     net = net + costs.fetch_s(c.sizes[o], gbps)
-    return net, max(cpu, net) + costs.decode_s(o, c.num_values)
+    joins = net < cpu and prev == o
+    return net, max(cpu, net) + costs.decode_s(o, c.num_values, batched=joins)
 
 
 def run(
@@ -61,12 +64,14 @@ def run(
     costs: CostModel = COSTS,
     net: float = 0.0,
     cpu: float = 0.0,
+    prev=None,
 ) -> tuple[float, float]:
     """(link free, compute free) after ``plan``; ``rate``: one rate, one per position, or a
-    function of the position."""
+    function of the position; ``prev``: the option of the chunk fetched before the first."""
     for j, (c, o) in enumerate(zip(chunks, plan, strict=True)):
         g = rate(j) if callable(rate) else rate if isinstance(rate, (int, float)) else rate[j]
-        net, cpu = step(net, cpu, c, o, g, costs)
+        net, cpu = step(net, cpu, c, o, g, costs, prev)
+        prev = o
     return net, cpu
 
 
@@ -77,14 +82,16 @@ def end(chunks, plan, head_gbps: float, tail_gbps: float | None = None, costs: C
 
 
 def undominated(c: PlanChunk, costs: CostModel, allowed=None) -> list:
-    """The stored (and allowed) levels no other level beats on both bytes and decode time, then TEXT."""
+    """The stored (and allowed) levels no other level beats on bytes, decode time and batched decode
+    time, then TEXT."""
     lv = sorted(l for l in c.sizes if allowed is None or l in allowed)
-    cost = {l: (c.sizes[l], costs.decode_s(l, c.num_values)) for l in lv}
+    cost = {l: (c.sizes[l], costs.decode_s(l, c.num_values), costs.decode_s(l, c.num_values, batched=True)) for l in lv}
     out = []
     for l in lv:
         beaten = False
         for p in lv:
-            if cost[p] != cost[l] and cost[p][0] <= cost[l][0] and cost[p][1] <= cost[l][1]:
+            mine, theirs = cost[l], cost[p]
+            if theirs != mine and theirs[0] <= mine[0] and theirs[1] <= mine[1] and theirs[2] <= mine[2]:
                 beaten = True
         if not beaten:
             out.append(l)

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from cachegen.codec import LOSSLESS, Codec, calibrate
-from cachegen.codec.protocol import DecodesInto, decode_into
+from cachegen.codec.protocol import DecodesInto, DecodesManyInto, decode_into
 from cachegen.errors import ConfigError, CorruptChunk
 from cachegen.kv import KVCache, KVLayer, LayerKind
 from cachegen.store import ContextStore, Namespace, open_backend
-from cachegen.stream import LoaderOptions, StreamingLoader, ThroughputEstimator
+from cachegen.stream import FormatLadder, LoaderOptions, Rung, StreamingLoader, ThroughputEstimator
 from cachegen.stream.costs import TEXT
+from cachegen.stream.pipeline import VirtualClock, VirtualRunner
 from stream.fakes import FaultyStore, ToyCodec, ToyModel
 
 CHUNK = 32
@@ -194,3 +195,104 @@ def test_a_corrupt_last_chunk_fetched_first_is_recomputed_not_used(real_store, c
     good = KVCache.concat([codec.decode(store.get(i.ref, LOSSLESS), key=i.ref.key) for i in infos[:last]])
     rest = model.recompute(good, tokens[good.end :])
     same_bits(res.kv, KVCache.concat([good, rest.to(good.dtype)]))
+
+
+# -- chunks fetched ahead decode together ---------------------------------------------------
+
+
+class SpyCodec:
+    """The project codec, recording each decode call; each call takes ``call_s`` on ``clock`` (the
+    first chunk's, which allocates the cache, ``first_s``: long enough for every fetch to queue)."""
+
+    def __init__(self, codec: Codec, clock: VirtualClock, first_s: float = 1.0, call_s: float = 0.01):
+        self.codec, self.clock, self.first_s, self.call_s = codec, clock, first_s, call_s
+        self.levels = codec.levels
+        self.calls: list[tuple[str, int]] = []
+
+    def encode(self, kv, level, *, key=None):
+        return self.codec.encode(kv, level, key=key)
+
+    def decode(self, data, *, key=None):
+        self.calls.append(("decode", 1))
+        self.clock.sleep(self.first_s)
+        return self.codec.decode(data, key=key)
+
+    def decode_into(self, data, out, *, key=None):
+        self.calls.append(("into", 1))
+        self.clock.sleep(self.call_s)
+        return self.codec.decode_into(data, out, key=key)
+
+    def decode_many_into(self, datas, out, sizes, *, keys=None):
+        self.calls.append(("many", len(datas)))
+        self.clock.sleep(self.call_s)
+        return self.codec.decode_many_into(datas, out, sizes, keys=keys)
+
+
+def batched_load(store, codec, model, tokens, faults=None):
+    clock = VirtualClock()
+    spy = SpyCodec(codec, clock)
+    src = FaultyStore(store, faults or {})
+    opts = LoaderOptions(policy=7, slo_s=None, dtype=torch.bfloat16)
+    res = StreamingLoader(src, spy, model.recompute, opts, clock=clock, runner=VirtualRunner(clock)).load(tokens)
+    return res, spy
+
+
+def test_chunks_fetched_ahead_decode_in_one_call_to_the_same_bits(real_store, codec):
+    model, store, tokens, _kv = real_store
+    infos = store.plan(tokens)
+    res, spy = batched_load(store, codec, model, tokens)
+    assert spy.calls == [("decode", 1), ("many", len(infos) - 1)]  # the rest waited while the first decoded
+    assert not res.faults and res.choices == [7] * len(infos)
+    same_bits(
+        res.kv, KVCache.concat([codec.decode(store.get(i.ref, 7), key=i.ref.key).to(torch.bfloat16) for i in infos])
+    )
+    batch = res.decisions[1:]
+    assert len({(d.decode_start, d.decode_end) for d in batch}) == 1  # one call...
+    total = sum(d.decode_s for d in batch)
+    assert total == pytest.approx(spy.call_s)  # ...whose time the chunks share by tokens
+    assert batch[-1].decode_s < batch[0].decode_s  # the last chunk is the shortest (7 tokens)
+
+
+def test_a_corrupt_chunk_in_a_batch_is_found_one_by_one_and_only_it_and_after_recomputed(real_store, codec):
+    model, store, tokens, _kv = real_store
+    infos = store.plan(tokens)
+    res, spy = batched_load(store, codec, model, tokens, {2: "corrupt"})
+    # the batch fails; chunk 1 decodes alone, chunk 2 fails: nothing after it is decoded
+    assert spy.calls == [("decode", 1), ("many", len(infos) - 1), ("into", 1), ("into", 1)]
+    assert len(res.faults) == 1 and "chunk 2" in res.faults[0]
+    assert res.choices == [7, 7] + [TEXT] * (len(infos) - 2)
+    assert [d.reason for d in res.decisions[2:]] == ["fault"] + ["after fault"] * (len(infos) - 3)
+    good = KVCache.concat([codec.decode(store.get(i.ref, 7), key=i.ref.key) for i in infos[:2]]).to(torch.bfloat16)
+    rest = model.recompute(good, tokens[good.end :])
+    same_bits(res.kv, KVCache.concat([good, rest.to(torch.bfloat16)]))
+
+
+def test_a_ladder_sends_each_run_of_one_codec_in_one_call(codec, monkeypatch):
+    """Rungs of the project codec at two levels and a codec without decode_into: the codec's runs
+    go to its decode_many_into (levels mixed), the other's chunks one by one; the same bits as
+    the ladder's decode_into per chunk, and the bytes naming a rung are checked."""
+    whole = kv_with_windows(9, 5 * CHUNK)
+    whole = KVCache([KVLayer(l.k, l.v) for l in whole.layers])  # the toy codec keeps no layer kinds
+    toy = ToyCodec()
+    lad = FormatLadder([Rung("cg/L3", codec, 3), Rung("cg/L7", codec, 7), Rung("toy", toy, 0)])
+    rungs = [0, 1, 2, 0, 1]
+    parts = whole.chunks(CHUNK)
+    blobs = [lad.encode(p, r, key=f"k{j}") for j, (p, r) in enumerate(zip(parts, rungs))]
+    keys = [f"k{j}" for j in range(len(parts))]
+    ref = KVCache.allocate(whole, whole.num_tokens)
+    for b, p, k in zip(blobs, parts, keys):
+        lad.decode_into(b, ref.slice(p.start, p.end), key=k)
+    runs: list[int] = []
+    real = codec.decode_many_into
+    monkeypatch.setattr(
+        codec, "decode_many_into", lambda d, o, s, keys=None: runs.append(len(d)) or real(d, o, s, keys=keys)
+    )
+    out = KVCache.allocate(whole, whole.num_tokens)
+    assert isinstance(lad, DecodesManyInto)
+    lad.decode_many_into(blobs, out, [CHUNK] * len(parts), keys=keys)
+    assert runs == [2, 2] and toy.decodes == 2  # one chunk through the toy codec for the reference, one here
+    same_bits(out, ref)
+    with pytest.raises(CorruptChunk, match="names rung"):
+        lad.decode_many_into([blobs[0], bytes([9]) + blobs[1][1:]], out.slice(0, 2 * CHUNK), [CHUNK, CHUNK])
+    with pytest.raises(ConfigError, match="do not tile"):
+        lad.decode_many_into(blobs, out, [CHUNK] * 4)

@@ -19,14 +19,14 @@ from cachegen.stream.planner import FASTEST_HORIZON, PipelineState, PlanChunk, c
 from stream.plan_oracle import COSTS, EXACT, make_chunks, run, step, undominated
 
 
-def soonest(c, opts, gbps, costs, net, cpu):
-    """(link free, compute free) after ``c`` at whichever of ``opts`` ends its compute first (then
-    frees the link first; then the earlier option)."""
+def soonest(c, opts, gbps, costs, net, cpu, prev):
+    """(link free, compute free, option) after ``c`` at whichever of ``opts`` ends its compute
+    first (then frees the link first; then the earlier option); ``prev``: the chunk before's option."""
     best = None
     for o in opts:
-        n, p = step(net, cpu, c, o, gbps, costs)
+        n, p = step(net, cpu, c, o, gbps, costs, prev)
         if best is None or (p, n) < (best[1], best[0]):
-            best = (n, p)
+            best = (n, p, o)
     return best
 
 
@@ -38,15 +38,19 @@ def head_ends(remaining, gbps, costs, state, allowed=None, tail_gbps=None, horiz
     formats = [o for o in options[0] if o != TEXT]
     out = {}
     for o in options[0]:
-        net0, cpu0 = step(state.net_busy_s, state.cpu_busy_s, window[0], o, gbps, costs)
-        net, cpu = net0, cpu0
+        net0, cpu0 = step(state.net_busy_s, state.cpu_busy_s, window[0], o, gbps, costs, state.prev)
+        net, cpu, prev = net0, cpu0, o
         for c, opts in zip(window[1:], options[1:]):
-            net, cpu = soonest(c, opts, tg, costs, net, cpu)
+            net, cpu, prev = soonest(c, opts, tg, costs, net, cpu, prev)
         ends = {"greedy": cpu}
         for f in formats:
-            net, cpu = net0, cpu0
+            net, cpu, prev = net0, cpu0, o
             for c, opts in zip(window[1:], options[1:]):
-                net, cpu = step(net, cpu, c, f, tg, costs) if f in c.sizes else soonest(c, opts, tg, costs, net, cpu)
+                if f in c.sizes:
+                    net, cpu = step(net, cpu, c, f, tg, costs, prev)
+                    prev = f
+                else:
+                    net, cpu, prev = soonest(c, opts, tg, costs, net, cpu, prev)
             ends[f] = cpu
         out[o] = (cpu0, ends)
     return out
@@ -70,8 +74,13 @@ def random_case(rng: random.Random):
     if twin:
         per_mv[3] = per_mv[0]
         levels = sorted({*levels, 0, 3})
+    # half the cases: a chunk that joins a waiting batch of its level decodes at another rate
+    batched = {l: per_mv[l] * rng.choice([0.1, 0.5, 2.0]) for l in range(4)} if rng.random() < 0.5 else {}
+    if twin and batched:
+        batched[3] = batched[0]
     costs = CostModel(
         decode_s_per_mvalue=per_mv,
+        decode_batched_s_per_mvalue=batched,
         decode_fixed_s=rng.choice([0.0, 0.001]),
         recompute_fixed_s=0.002,
         recompute_s_per_token=rng.choice([2e-5, 1e-4, 1e-3]),
@@ -89,7 +98,12 @@ def random_case(rng: random.Random):
         start += tokens
     gbps = 10 ** rng.uniform(-3, 0.5)
     tail = rng.choice([None, 10 ** rng.uniform(-3, 0.5)])
-    state = PipelineState(math.inf, cpu_busy_s=rng.choice([0.0, 0.01, 0.05]), net_busy_s=rng.choice([0.0, 0.005]))
+    state = PipelineState(
+        math.inf,
+        cpu_busy_s=rng.choice([0.0, 0.01, 0.05]),
+        net_busy_s=rng.choice([0.0, 0.005]),
+        prev=rng.choice([None, TEXT, *levels]),
+    )
     allowed = rng.choice([None, None, tuple(rng.sample(range(4), 2))])
     horizon = rng.choice([0, 1, 2, 3, 24])
     return chunks, gbps, costs, state, allowed, tail, horizon
@@ -104,7 +118,7 @@ def test_choose_fastest_follows_its_description():
         choice, finish, total = oracle(chunks, gbps, costs, state, allowed, tail, horizon)
         # the deadline only sets `fits`: at the predicted end exactly it fits, a little before it not
         left = rng.choice([math.inf, total, total * (1 - 1e-9)])
-        st = PipelineState(left, state.cpu_busy_s, state.net_busy_s)
+        st = PipelineState(left, state.cpu_busy_s, state.net_busy_s, state.prev)
         p = choose_fastest(chunks, gbps, costs, st, allowed, tail_gbps=tail, horizon=horizon)
         assert (p.choice, p.finish_s, p.total_s, p.fits) == (choice, finish, total, total <= left), (
             chunks,
@@ -133,7 +147,7 @@ def test_choose_fastest_is_no_later_than_the_best_plan_and_no_earlier_than_it_ca
         rates = [gbps, *[tg] * (len(chunks) - 1)]
         per = [[*[l for l in sorted(c.sizes) if allowed is None or l in allowed], TEXT] for c in chunks]
         ends = {
-            plan: run(chunks, plan, rates, costs, state.net_busy_s, state.cpu_busy_s)[1]
+            plan: run(chunks, plan, rates, costs, state.net_busy_s, state.cpu_busy_s, state.prev)[1]
             for plan in itertools.product(*per)
         }
         assert p.total_s >= min(ends.values()) - 1e-12

@@ -207,10 +207,10 @@ def test_useful_options_drop_exactly_the_levels_beaten_on_both_costs():
 def test_the_soonest_option_ends_the_compute_first_then_frees_the_link_first():
     c = PlanChunk(0, 0, 1, 0, {1: 125_000_000})
     # fetching (1.0 s + 0.5 s) and recomputing (1.5 s) tie on the compute stage: text leaves the link idle
-    assert _soonest(0.0, 0.0, c, [1, TEXT], 1.0, EXACT) == (0.0, 1.5)
+    assert _soonest(0.0, 0.0, c, [1, TEXT], 1.0, EXACT, None) == (0.0, 1.5, TEXT)
     # recomputing in 2.0 s: the fetch ends the chunk sooner although it holds the link
     slow = CostModel(**{**EXACT.__dict__, "recompute_fixed_s": 1.0})
-    assert _soonest(0.0, 0.0, c, [1, TEXT], 1.0, slow) == (1.0, 1.5)
-    assert _soonest(0.0, 0.0, c, [TEXT, 1], 1.0, slow) == (1.0, 1.5)
+    assert _soonest(0.0, 0.0, c, [1, TEXT], 1.0, slow, None) == (1.0, 1.5, 1)
+    assert _soonest(0.0, 0.0, c, [TEXT, 1], 1.0, slow, None) == (1.0, 1.5, 1)
     # from a busy pipeline, at another rate: the fetch waits for the link and the compute stage
-    assert _soonest(0.5, 2.0, c, [1], 2.0, slow) == step(0.5, 2.0, c, 1, 2.0, slow) == (1.0, 2.5)
+    assert _soonest(0.5, 2.0, c, [1], 2.0, slow, 1) == (*step(0.5, 2.0, c, 1, 2.0, slow, 1), 1) == (1.0, 2.5, 1)

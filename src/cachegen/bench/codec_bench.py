@@ -3,6 +3,9 @@
 Rows: ``codec``, ``level``, ``encode_mvalues_s``, ``decode_mvalues_s``,
 ``entropy_decode_msymbols_s``, ``entropy_encode_msymbols_s``, ``bits_per_value`` (plus ``encode_s``/``decode_s``).
 Encode/decode time the whole ``context_tokens`` KV as one chunk, bytes <-> KVCache.
+``chunked_decode_s`` decodes the same context stored as ``chunk_tokens``-token chunks into one
+preallocated cache, one ``decode_into`` per chunk; ``batched_decode_s`` the same chunks in one
+``decode_many_into`` call, as the loader decodes chunks that wait in its queue (best of 5 each).
 The entropy figures time :func:`cachegen.codec.rans.decode_interleaved_many` /
 :func:`~cachegen.codec.rans.encode_interleaved` alone over all sections (best
 of 5), split over ``threads`` Python threads the way the codec splits them
@@ -17,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cachegen.codec import LEVELS, LOSSLESS, Codec, rans
+from cachegen.errors import ConfigError
 from cachegen.stream.costs import best_time
 
 
@@ -57,15 +61,36 @@ def _entropy_speed(prof, kv, level: int, threads: int) -> tuple[float, float]:
     return n / td / 1e6, n / te / 1e6
 
 
+def _chunked_decode(codec: Codec, kv, level: int, chunk_tokens: int) -> tuple[float, float]:
+    """Seconds to decode ``kv`` stored as chunks into one cache: one call per chunk, then one call for all."""
+    from cachegen.kv import KVCache
+
+    starts = list(range(kv.start, kv.end, chunk_tokens))
+    parts = [kv.slice(a, min(a + chunk_tokens, kv.end)) for a in starts]
+    datas = [codec.encode(p, level, context_end=kv.end) for p in parts]
+    out = KVCache.allocate(kv, kv.num_tokens, start=kv.start)
+
+    def one_by_one() -> None:
+        for p, d in zip(parts, datas, strict=True):
+            codec.decode_into(d, out.slice(p.start, p.end))
+
+    sizes = [p.num_tokens for p in parts]
+    return best_time(one_by_one, 5), best_time(lambda: codec.decode_many_into(datas, out, sizes), 5)
+
+
 def run_codec_bench(
     model_name: str = "smollm2-135m",
     context_tokens: int = 4096,
     json_path: str | None = None,
     threads: int = 2,
     levels=(LOSSLESS, *LEVELS),
+    chunk_tokens: int = 256,
 ) -> list[dict]:
     from cachegen.calibrate import context_kv, load_or_calibrate
     from cachegen.engine.models import load_model
+
+    if chunk_tokens < 1:
+        raise ConfigError(f"--chunk-tokens must be at least 1, not {chunk_tokens}")
 
     m = load_model(model_name)
     prof = load_or_calibrate(m)
@@ -77,6 +102,7 @@ def run_codec_bench(
         data = codec.encode(src, lv)
         te = best_time(lambda src=src, lv=lv: codec.encode(src, lv), 5)  # type: ignore[misc]  # mypy: lambda with defaults
         td = best_time(lambda data=data: codec.decode(data), 5)  # type: ignore[misc]  # mypy: lambda with defaults
+        tc, tb = _chunked_decode(codec, src, lv, chunk_tokens)
         ent, ent_e = _entropy_speed(prof, kv, lv, threads) if lv != LOSSLESS else (float("nan"), float("nan"))
         rows.append(
             {
@@ -89,15 +115,18 @@ def run_codec_bench(
                 "bits_per_value": len(data) * 8 / kv.num_values,
                 "encode_s": te,
                 "decode_s": td,
+                "chunk_tokens": chunk_tokens,
+                "chunked_decode_s": tc,
+                "batched_decode_s": tb,
             }
         )
     print(
-        f"{'codec':24s} {'lvl':>3s} {'enc Mv/s':>9s} {'dec Mv/s':>9s} {'rANS dec':>9s} {'rANS enc':>9s} {'bits/val':>8s} {'enc s':>6s} {'dec s':>6s}"
+        f"{'codec':24s} {'lvl':>3s} {'enc Mv/s':>9s} {'dec Mv/s':>9s} {'rANS dec':>9s} {'rANS enc':>9s} {'bits/val':>8s} {'enc s':>6s} {'dec s':>6s} {'chunks s':>8s} {'batch s':>7s}"
     )
     for r in rows:
         print(
             f"{r['codec']:24s} {r['level']:3d} {r['encode_mvalues_s']:9.1f} {r['decode_mvalues_s']:9.1f} "
-            f"{r['entropy_decode_msymbols_s']:9.1f} {r['entropy_encode_msymbols_s']:9.1f} {r['bits_per_value']:8.3f} {r['encode_s']:6.3f} {r['decode_s']:6.3f}"
+            f"{r['entropy_decode_msymbols_s']:9.1f} {r['entropy_encode_msymbols_s']:9.1f} {r['bits_per_value']:8.3f} {r['encode_s']:6.3f} {r['decode_s']:6.3f} {r['chunked_decode_s']:8.3f} {r['batched_decode_s']:7.3f}"
         )
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1))
@@ -112,13 +141,16 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=2, help="numba threads of the coder (default 2)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON ('-': stdout)")
     p.add_argument(
+        "--chunk-tokens", type=int, default=256, help="tokens per chunk of the chunked decode columns (default 256)"
+    )
+    p.add_argument(
         "--levels",
         default=",".join(map(str, (LOSSLESS, *LEVELS))),
         help="comma-separated levels (default: all, 0 = lossless)",
     )
     p.set_defaults(
         func=lambda a: run_codec_bench(
-            a.model, a.context_tokens, a.json, a.threads, tuple(int(x) for x in a.levels.split(","))
+            a.model, a.context_tokens, a.json, a.threads, tuple(int(x) for x in a.levels.split(",")), a.chunk_tokens
         )
     )
 

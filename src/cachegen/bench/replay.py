@@ -26,6 +26,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -113,6 +114,20 @@ class _VirtualWork:
         self.clock.sleep(self._true(p, self._level[key]))
         return self._stand_in(self.chunks[p].start, self.chunks[p].num_tokens)
 
+    def decode_many_into(
+        self, datas: Sequence[bytes], out: KVCache, sizes: Sequence[int], *, keys: Sequence[str | None] | None = None
+    ) -> KVCache:
+        """Consecutive chunks in one call, as the project codec decodes chunks that waited in the
+        loader's queue: each takes its batched compute time."""
+        if keys is None or any(k is None or k not in self._pos for k in keys):
+            raise ConfigError("the replay's codec needs the chunk keys")
+        for k in keys:
+            p = self._pos[cast(str, k)]
+            self.clock.sleep(self._true(p, self._level[cast(str, k)], batched=True))
+            c = self.chunks[p]
+            out.slice(c.start, c.start + c.num_tokens).write(self._stand_in(c.start, c.num_tokens))
+        return out
+
     # the model (Recompute)
     def recompute(self, prefix: KVCache | None, token_ids: list[int]) -> KVCache:
         start = prefix.end if prefix is not None else 0
@@ -122,14 +137,14 @@ class _VirtualWork:
                 self.clock.sleep(self._true(p, TEXT))
         return self._stand_in(start, len(token_ids))
 
-    def _true(self, p: int, choice: Choice) -> float:
+    def _true(self, p: int, choice: Choice, batched: bool = False) -> float:
         c = self.chunks[p]
         if self.compute_s is not None:
             return self.compute_s(p, choice)
         pred = (
             self.costs.recompute_s(c.start, c.num_tokens)
             if choice == TEXT
-            else self.costs.decode_s(int(choice), c.num_values or 1)
+            else self.costs.decode_s(int(choice), c.num_values or 1, batched)
         )
         return pred * math.exp(self.rng.gauss(0.0, self.cpu_noise)) if self.cpu_noise else pred
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import pairwise
@@ -38,6 +38,7 @@ from cachegen.codec.container import (
 )
 from cachegen.codec.fit import calibrate
 from cachegen.codec.profile import LEVELS, PRECISION, TABLE_PAD, Profile
+from cachegen.codec.protocol import check_tiling
 from cachegen.codec.transform import forward_section, inverse_section_into
 from cachegen.errors import CodecError, ConfigError, CorruptChunk, ProfileMismatch
 from cachegen.kv import KVCache, KVLayer
@@ -257,7 +258,7 @@ class Codec:
             )
             for l in h.layers
         ]
-        done = self._decode_sections(data, h, prof, layers)
+        done = self._decode_sections([_Part(data, h)], prof, layers)
         try:
             for li, layer in enumerate(layers):
                 next(done)
@@ -267,29 +268,29 @@ class Codec:
             done.close()  # a caller that stops early: the sections still running end first
 
     def _decode_sections(
-        self, data: bytes, h: ChunkHeader, prof: Profile | None, dst: list[KVLayer]
+        self, parts: list[_Part], prof: Profile | None, dst: list[KVLayer]
     ) -> Generator[None, None, None]:
-        """Decode every section into ``dst``'s tensors (the pool's threads split them); yields
-        once per section, in order, when it is written. When one fails, or the caller stops
-        early, the rest are cancelled or waited for before this returns: no thread writes
-        into ``dst`` after that (the loader recomputes a failed chunk's range in place)."""
-        first = 1 if h.inline_profile else 0
+        """Decode every section of ``parts`` (consecutive chunks; lossless: one) into ``dst``'s
+        tensors, which cover their tokens (the pool's threads split the sections); yields once per
+        section, in order, when it is written. When one fails, or the caller stops early, the rest
+        are cancelled or waited for before this returns: no thread writes into ``dst`` after that
+        (the loader recomputes a failed chunk's range in place)."""
         # the caller's inference mode goes with each section: it is per thread, and a pool thread
         # outside it may not write into a tensor made inside it (a serving engine's cache)
         inference = torch.is_inference_mode_enabled()
-        sections = [(first + i, i, dst[i // 2].k if i % 2 == 0 else dst[i // 2].v) for i in range(2 * len(h.layers))]
-        jobs = [(data, h, part, prof, inference) for part in self._split(sections, prof is not None)]
+        sections = [(i, dst[i // 2].k if i % 2 == 0 else dst[i // 2].v) for i in range(2 * len(dst))]
+        jobs = [_Job(parts, part, prof, inference) for part in self._split(sections, prof is not None)]
         if self._pool is None:
             for job in jobs:
                 _decode_job(job)
-                for _ in job[2]:
+                for _ in job.sections:
                     yield
             return
         futures = [self._pool.submit(_decode_job, job) for job in jobs]
         try:
             for f, job in zip(futures, jobs, strict=True):
                 f.result()
-                for _ in job[2]:
+                for _ in job.sections:
                     yield
         finally:
             for f in futures:
@@ -313,6 +314,47 @@ class Codec:
         ``out``'s dtype. The header is checked against ``out`` (range, layer kinds and sizes)
         before anything is decoded."""
         h = parse_header(data)
+        prof = self._checked_into(h, data, out, key)
+        for _ in self._decode_sections([_Part(data, h)], prof, list(out.layers)):
+            pass
+        return out
+
+    def decode_many_into(
+        self, datas: Sequence[bytes], out: KVCache, sizes: Sequence[int], *, keys: Sequence[str | None] | None = None
+    ) -> KVCache:
+        """Decode consecutive chunks of ``sizes`` tokens into ``out``, which they tile in order (a
+        :class:`~cachegen.codec.protocol.DecodesManyInto`): the values of :meth:`decode_into` on
+        each chunk's range. ``keys``: per chunk, as :meth:`decode_into`'s ``key``.
+
+        Why: a chunk's decode costs a fixed part per section (parsing, the product's and the
+        rotation's calls, the NaN check) besides its per-token work; chunks of one profile share
+        their sections' product, rotation and check here, so sixteen 256-token chunks decode in
+        about the time of one 4,096-token chunk. Every chunk's header is checked (against its
+        range of ``out``) before anything is decoded; when one fails mid-way, ``out`` may be
+        partly written (the loader then decodes the chunks one by one)."""
+        check_tiling(datas, out, sizes, keys)
+        parts, profs, pos = [], [], out.start
+        for j, (data, n) in enumerate(zip(datas, sizes, strict=True)):
+            h = parse_header(data)
+            profs.append(self._checked_into(h, data, out.slice(pos, pos + n), keys[j] if keys else None))
+            parts.append(_Part(data, h))
+            pos += n
+        if not parts:
+            return out
+        one = profs[0]
+        if one is None or any(p is not one for p in profs) or any(p.h.dtype != parts[0].h.dtype for p in parts):
+            for p, prof in zip(parts, profs, strict=True):  # lossless, inline profiles, mixed dtypes
+                dst = out.slice(p.h.start, p.h.start + p.h.num_tokens)
+                for _ in self._decode_sections([p], prof, list(dst.layers)):
+                    pass
+            return out
+        for _ in self._decode_sections(parts, one, list(out.layers)):
+            pass
+        return out
+
+    def _checked_into(self, h: ChunkHeader, data: bytes, out: KVCache, key: str | None) -> Profile | None:
+        """The chunk's profile, once its header is checked against ``out`` (its range, layer kinds
+        and sizes), ``key`` and this codec's bounds; CorruptChunk (KeyMismatch) when it does not fit."""
         if h.start != out.start or h.num_tokens != out.num_tokens:
             raise CorruptChunk(
                 f"chunk holds tokens [{h.start}, {h.start + h.num_tokens}), expected [{out.start}, {out.end})"
@@ -322,10 +364,7 @@ class Codec:
             raise CorruptChunk("chunk layout differs from the cache it is decoded into")
         check_key(h, key)
         self._check_bounds(h)
-        prof = self._profile_for(data, h)
-        for _ in self._decode_sections(data, h, prof, list(out.layers)):
-            pass
-        return out
+        return self._profile_for(data, h)
 
     def close(self) -> None:
         if self._pool:
@@ -457,21 +496,45 @@ def _encode_lossless(x: torch.Tensor) -> bytes:
     return b"".join(out)
 
 
-def _decode_job(job) -> None:
-    """Consecutive sections of :meth:`Codec._decode_sections`, in the caller's inference mode. A
-    lossy section whose ``out`` has another dtype than the chunk's decodes through a buffer of the
-    chunk's dtype, so the values are the chunk's own, then cast."""
-    data, h, sections, prof, inference = job
-    with torch.inference_mode(inference):
-        if prof is None:
-            for si, i, out in sections:
-                out.copy_(_decode_lossless(section_bytes(data, h, si), h, int(out.shape[0]), int(out.shape[2]), i))
+@dataclass(frozen=True)
+class _Part:
+    """One chunk of a decode: its payload and parsed header."""
+
+    data: bytes | memoryview
+    h: ChunkHeader
+
+    @property
+    def first(self) -> int:
+        """The payload section of the chunk's section 0 (1 after an inline profile)."""
+        return 1 if self.h.inline_profile else 0
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Sections ``(i, out)`` of consecutive chunks ``parts``, decoded on one thread; ``out`` covers
+    every part's tokens. ``inference``: the caller's inference mode (per thread in torch)."""
+
+    parts: list[_Part]
+    sections: list[tuple[int, torch.Tensor]]
+    prof: Profile | None
+    inference: bool
+
+
+def _decode_job(job: _Job) -> None:
+    """A job of :meth:`Codec._decode_sections`, in the caller's inference mode. A lossy section
+    whose ``out`` has another dtype than the chunks' decodes through a buffer of their dtype, so
+    the values are the chunks' own, then cast."""
+    with torch.inference_mode(job.inference):
+        if job.prof is None:
+            (p,) = job.parts  # lossless chunks are decoded one at a time
+            for i, out in job.sections:
+                raw = section_bytes(p.data, p.h, p.first + i)
+                out.copy_(_decode_lossless(raw, p.h, int(out.shape[0]), int(out.shape[2]), i))
             return
-        bufs = [out if out.dtype == h.dtype else torch.empty(out.shape, dtype=h.dtype) for _, _, out in sections]
-        _decode_lossy(
-            [_parse_lossy(section_bytes(data, h, si), h, i, prof, buf) for (si, i, _), buf in zip(sections, bufs)]
-        )
-        for (_, _, out), buf in zip(sections, bufs, strict=True):
+        dtype = job.parts[0].h.dtype
+        bufs = [out if out.dtype == dtype else torch.empty(out.shape, dtype=dtype) for _, out in job.sections]
+        _decode_lossy(job.parts, [(i, buf) for (i, _), buf in zip(job.sections, bufs)], job.prof)
+        for (_, out), buf in zip(job.sections, bufs, strict=True):
             if buf is not out:
                 out.copy_(buf)
 
@@ -523,13 +586,10 @@ def _finite(x: torch.Tensor, i: int) -> torch.Tensor:
 
 @dataclass
 class _LossySection:
-    """A lossy section parsed up to its rANS stream: what :func:`_finish_lossy` needs once its
-    symbols are decoded (together with the other sections of its job)."""
+    """A lossy section of one chunk parsed up to its rANS stream: what :func:`_finish_lossy` needs
+    once its symbols are decoded (together with the other sections of its job)."""
 
-    i: int
     h: ChunkHeader
-    prof: Profile
-    out: torch.Tensor  # (H, T, D) of the chunk's dtype
     sink_raw: memoryview
     u: np.ndarray
     esc: np.ndarray
@@ -537,14 +597,13 @@ class _LossySection:
     block: rans.Block
 
 
-def _parse_lossy(mv: memoryview, h: ChunkHeader, i: int, prof: Profile, out: torch.Tensor) -> _LossySection:
-    """Section ``i`` up to its symbols; CorruptChunk when what it declares is inconsistent."""
+def _parse_lossy(mv: memoryview, h: ChunkHeader, i: int, prof: Profile, heads: int, d: int) -> _LossySection:
+    """Section ``i`` of a chunk up to its symbols; CorruptChunk when what it declares is inconsistent."""
     r = Reader(mv, f"section {i}")
     sp = prof.sections[i]
     lp = prof.levels[h.level]
     tables, cls = lp.padded_tables(), lp.classes(prof.sections)[i]
     sink = h.sink_tokens
-    heads, d = int(out.shape[0]), int(out.shape[2])
     t, c = h.num_tokens - sink, heads * d
     itemsize = torch.empty((), dtype=h.dtype).element_size()
     n_sink_bytes = r.u32()
@@ -576,28 +635,55 @@ def _parse_lossy(mv: memoryview, h: ChunkHeader, i: int, prof: Profile, out: tor
         raise CorruptChunk(f"section {i}: odd word payload")
     words = np.frombuffer(wb, dtype="<u2")
     rans.check_budget(t, c, words.size, tables, f"section {i}")
-    return _LossySection(i, h, prof, out, sink_raw, u, esc, n_esc, rans.Block(words, t, cls + TABLE_PAD, -u))
+    return _LossySection(h, sink_raw, u, esc, n_esc, rans.Block(words, t, cls + TABLE_PAD, -u))
 
 
-def _finish_lossy(s: _LossySection, sym: np.ndarray) -> None:
-    """Dequantize and inverse-transform section ``s`` from its decoded symbols into ``s.out``."""
-    i, h, out = s.i, s.h, s.out
-    heads, d, sink = int(out.shape[0]), int(out.shape[2]), h.sink_tokens
-    y = np.empty(sym.shape, dtype=np.float32)
-    used = quant.dequantize(sym, s.prof.levels[h.level].steps[i], importance.row_scale(s.u), s.esc, s.n_esc, y)
-    if used != s.n_esc:
-        raise CorruptChunk(f"section {i}: {used} escapes in the stream, {s.n_esc} stored")
-    if sink:
-        out[:, :sink].copy_(_from_bytes(s.sink_raw, (heads, sink, d), h.dtype))
-    inverse_section_into(s.prof.sections[i], y, out[:, sink:], h.start + sink)
+def _finish_lossy(
+    i: int, prof: Profile, out: torch.Tensor, parsed: list[_LossySection], syms: list[np.ndarray]
+) -> None:
+    """Dequantize section ``i`` of consecutive chunks (``parsed``, their decoded ``syms``) and
+    inverse-transform them into ``out`` (H, T, D), which covers their tokens: one product, one
+    rotation pass and one NaN check for them all. Their sink tokens (positions below the
+    profile's ``n_sink``) are the first of ``out``: the rest is one run of positions."""
+    heads, d = int(out.shape[0]), int(out.shape[2])
+    sink = sum(s.h.sink_tokens for s in parsed)
+    y = np.empty((sum(sym.shape[0] for sym in syms), heads * d), dtype=np.float32)
+    row = 0
+    for s, sym in zip(parsed, syms, strict=True):
+        n = sym.shape[0]
+        steps = prof.levels[s.h.level].steps[i]
+        used = quant.dequantize(sym, steps, importance.row_scale(s.u), s.esc, s.n_esc, y[row : row + n])
+        if used != s.n_esc:
+            raise CorruptChunk(f"section {i}: {used} escapes in the stream, {s.n_esc} stored")
+        row += n
+        if s.h.sink_tokens:
+            a = s.h.start - parsed[0].h.start
+            out[:, a : a + s.h.sink_tokens].copy_(_from_bytes(s.sink_raw, (heads, s.h.sink_tokens, d), s.h.dtype))
+    inverse_section_into(prof.sections[i], y, out[:, sink:], parsed[0].h.start + sink)
     _finite(out, i)
 
 
-def _decode_lossy(sections: list[_LossySection]) -> None:
-    """Parsed sections of one chunk: their rANS streams in one call, which decodes them side by
-    side (:func:`cachegen.codec.rans.decode_interleaved_many`), then each section's values."""
-    if sections:
-        tables = sections[0].prof.levels[sections[0].h.level].padded_tables()
-        syms = rans.decode_interleaved_many([s.block for s in sections], tables)
-        for s, sym in zip(sections, syms, strict=True):
-            _finish_lossy(s, sym)
+def _decode_lossy(parts: list[_Part], sections: list[tuple[int, torch.Tensor]], prof: Profile) -> None:
+    """Sections ``(i, out)`` of consecutive chunks ``parts``: every rANS stream of one level in
+    one call, which decodes them side by side (:func:`cachegen.codec.rans.decode_interleaved_many`),
+    then each section's values for all the chunks at once (:func:`_finish_lossy`)."""
+    parsed = [
+        [
+            _parse_lossy(section_bytes(p.data, p.h, p.first + i), p.h, i, prof, int(out.shape[0]), int(out.shape[2]))
+            for p in parts
+        ]
+        for i, out in sections
+    ]
+    syms: list[list[np.ndarray]] = [[np.empty(0)] * len(parts) for _ in sections]
+    by_level: dict[int, list[int]] = {}
+    for j, p in enumerate(parts):
+        by_level.setdefault(p.h.level, []).append(j)
+    for level, js in by_level.items():
+        blocks = [(k, j) for k in range(len(sections)) for j in js]
+        decoded = rans.decode_interleaved_many(
+            [parsed[k][j].block for k, j in blocks], prof.levels[level].padded_tables()
+        )
+        for (k, j), sym in zip(blocks, decoded, strict=True):
+            syms[k][j] = sym
+    for k, (i, out) in enumerate(sections):
+        _finish_lossy(i, prof, out, parsed[k], syms[k])

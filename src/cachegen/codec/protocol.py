@@ -7,14 +7,17 @@ the baselines in ``cachegen.bench.baselines`` and the test fakes all satisfy it.
 A codec may also decode straight into a slice of a preallocated cache
 (:class:`DecodesInto`); :func:`decode_into` uses that where a codec has it and
 falls back to ``decode`` plus a copy where it does not, so every codec works with
-the loader's preallocated cache.
+the loader's preallocated cache. A codec may decode several consecutive chunks in
+one call (:class:`DecodesManyInto`), sharing per-call costs; :func:`decode_many_into`
+falls back to one :func:`decode_into` per chunk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, TypeGuard, runtime_checkable
 
-from cachegen.errors import CorruptChunk
+from cachegen.errors import ConfigError, CorruptChunk
 from cachegen.kv import KVCache
 
 
@@ -50,6 +53,20 @@ class DecodesInto(Protocol):
 
 
 @runtime_checkable
+class DecodesManyInto(Protocol):
+    """A codec that decodes consecutive chunks ``datas`` of ``sizes`` tokens into ``out``, which
+    they tile in order, in one call: the values :meth:`DecodesInto.decode_into` gives each on its range.
+    ``keys``: per chunk, as ``decode_into``'s ``key``. It raises
+    :class:`~cachegen.errors.CorruptChunk` as ``decode_into`` does, and also when the chunks do
+    not tile ``out``; on a failure ``out`` may be partly written (the loader then decodes the
+    chunks one by one, to find which one failed)."""
+
+    def decode_many_into(
+        self, datas: Sequence[bytes], out: KVCache, sizes: Sequence[int], *, keys: Sequence[str | None] | None = None
+    ) -> KVCache: ...
+
+
+@runtime_checkable
 class EncodesInContext(Protocol):
     """A codec whose ``encode`` also takes ``context_end``: where the context that holds the chunk
     ends (the continuation starts there), so it can spend its bits on the tokens the next ones
@@ -81,4 +98,32 @@ def decode_into(codec: ChunkCodec, data: bytes, out: KVCache, *, key: str | None
     kv = codec.decode(data, key=key)
     check_fits(kv, out)
     out.write(kv)
+    return out
+
+
+def check_tiling(datas: Sequence[bytes], out: KVCache, sizes: Sequence[int], keys: Sequence[str | None] | None) -> None:
+    """:class:`ConfigError` unless chunks of ``sizes`` tokens, one per payload (and key), tile ``out``."""
+    if len(sizes) != len(datas) or any(n < 0 for n in sizes) or sum(sizes) != out.num_tokens:
+        raise ConfigError(f"chunks of {list(sizes)} tokens do not tile tokens [{out.start}, {out.end})")
+    if keys is not None and len(keys) != len(datas):
+        raise ConfigError(f"{len(keys)} keys for {len(datas)} chunks")
+
+
+def decode_many_into(
+    codec: ChunkCodec,
+    datas: Sequence[bytes],
+    out: KVCache,
+    sizes: Sequence[int],
+    *,
+    keys: Sequence[str | None] | None = None,
+) -> KVCache:
+    """Decode consecutive chunks ``datas`` of ``sizes`` tokens, which tile ``out`` in order, with
+    ``codec``'s own ``decode_many_into``, else one :func:`decode_into` per chunk's range."""
+    check_tiling(datas, out, sizes, keys)
+    if isinstance(codec, DecodesManyInto):
+        return codec.decode_many_into(datas, out, sizes, keys=keys)
+    pos = out.start
+    for j, (data, n) in enumerate(zip(datas, sizes, strict=True)):
+        decode_into(codec, data, out.slice(pos, pos + n), key=keys[j] if keys else None)
+        pos += n
     return out

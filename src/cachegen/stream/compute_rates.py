@@ -45,8 +45,9 @@ class ScaledCosts(CostModel):
     decode_scale_default: float = 1.0
     recompute_scale: float = 1.0
 
-    def decode_s(self, level: int, num_values: int) -> float:
-        return super().decode_s(level, num_values) * self.decode_scale.get(int(level), self.decode_scale_default)
+    def decode_s(self, level: int, num_values: int, batched: bool = False) -> float:
+        scale = self.decode_scale.get(int(level), self.decode_scale_default)
+        return super().decode_s(level, num_values, batched) * scale
 
     def recompute_s(self, prefix_tokens: int, n_tokens: int) -> float:
         return super().recompute_s(prefix_tokens, n_tokens) * self.recompute_scale

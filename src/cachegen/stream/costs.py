@@ -33,6 +33,10 @@ class CostModel:
     decode_s_per_mvalue: dict[int, float] = field(default_factory=dict)
     decode_s_per_mvalue_default: float = 0.010
     decode_fixed_s: float = 0.002
+    # a chunk decoded in one call with others that waited with it in the loader's queue
+    # (``DecodesManyInto``): its share of the call, per million values, per level; its fixed part
+    # is shared out in it (missing level: the single-chunk model above)
+    decode_batched_s_per_mvalue: dict[int, float] = field(default_factory=dict)
     # recompute: fixed + n * (per_token + per_token_ctx * (prefix + n / 2))  (linear + attention)
     recompute_fixed_s: float = 0.010
     recompute_s_per_token: float = 1.0e-3
@@ -47,7 +51,10 @@ class CostModel:
     measured_at: float = 0.0
 
     # -- predictions ---------------------------------------------------------
-    def decode_s(self, level: int, num_values: int) -> float:
+    def decode_s(self, level: int, num_values: int, batched: bool = False) -> float:
+        """One chunk's decode; ``batched``: decoded in one call with chunks that waited with it."""
+        if batched and int(level) in self.decode_batched_s_per_mvalue:
+            return self.decode_batched_s_per_mvalue[int(level)] * num_values / 1e6
         per = self.decode_s_per_mvalue.get(int(level), self.decode_s_per_mvalue_default)
         return self.decode_fixed_s + per * num_values / 1e6
 
@@ -75,13 +82,15 @@ class CostModel:
     # -- persistence ---------------------------------------------------------
     def to_json(self) -> dict:
         d = asdict(self)
-        d["decode_s_per_mvalue"] = {str(k): v for k, v in self.decode_s_per_mvalue.items()}
+        for f in ("decode_s_per_mvalue", "decode_batched_s_per_mvalue"):
+            d[f] = {str(k): v for k, v in getattr(self, f).items()}
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> CostModel:
         d = dict(d)
-        d["decode_s_per_mvalue"] = {int(k): float(v) for k, v in d.get("decode_s_per_mvalue", {}).items()}
+        for f in ("decode_s_per_mvalue", "decode_batched_s_per_mvalue"):
+            d[f] = {int(k): float(v) for k, v in d.get(f, {}).items()}
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -172,6 +181,9 @@ DECODE_HEADROOM = 1.5
 STITCH_HEADROOM = 1.0
 
 
+CALIBRATION_BATCH = 8  # chunks per call when timing batched decodes: the loader's default prefetch
+
+
 def calibrate_decode(
     codec,
     sample: KVCache,
@@ -179,20 +191,36 @@ def calibrate_decode(
     repeats: int = 2,
     base: CostModel | None = None,
     dtype: torch.dtype | None = None,
+    batch: int = CALIBRATION_BATCH,
 ) -> CostModel:
     """Measure decode seconds per million values for each level on ``sample``, as the loader
     decodes: into a preallocated cache of ``dtype`` (default: the sample's; the loader's
-    ``LoaderOptions.dtype``), the copy included."""
-    from cachegen.codec.protocol import decode_into  # here: importing the stream package loads no codec
+    ``LoaderOptions.dtype``), the copy included. A codec that decodes several chunks in one call
+    (:class:`~cachegen.codec.protocol.DecodesManyInto`) is also timed on ``batch`` copies of the
+    sample at consecutive positions in one call, for the batched model (each chunk's share)."""
+    from cachegen.codec.protocol import (
+        DecodesManyInto,
+        decode_into,
+    )  # here: importing the stream package loads no codec
 
     cm = base or CostModel()
     mv = sample.num_values / 1e6
     slot = KVCache.allocate(sample, sample.num_tokens, start=sample.start, dtype=dtype)
+    n = sample.num_tokens
+    many = isinstance(codec, DecodesManyInto) and batch > 1 and n > 0
+    run = [KVCache(sample.layers, start=sample.start + j * n) for j in range(batch)] if many else []
+    out = KVCache.allocate(sample, batch * n, start=sample.start, dtype=dtype) if many else None
     for level in levels:
         blob = codec.encode(sample, level)
         decode_into(codec, blob, slot)  # warm-up (JIT, caches)
         t = best_time(partial(decode_into, codec, blob, slot), repeats)
         cm.decode_s_per_mvalue[int(level)] = max(t - cm.decode_fixed_s, 0.0) / mv * DECODE_HEADROOM
+        if many:
+            blobs = [blob, *(codec.encode(part, level) for part in run[1:])]
+            decode_many = partial(codec.decode_many_into, blobs, out, [n] * batch)
+            decode_many()
+            tb = best_time(decode_many, repeats) / batch
+            cm.decode_batched_s_per_mvalue[int(level)] = min(tb, t) / mv * DECODE_HEADROOM
     # joining chunks: a copy of the whole context, slower in the loader than alone (cold caches,
     # allocation); the slowest of a few joins of 8 chunks, divided by STITCH_HEADROOM (measured in
     # the demo: 22-53 ms for 93 MB, 1.7-4.2 GB/s)

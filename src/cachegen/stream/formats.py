@@ -111,3 +111,34 @@ class FormatLadder:
 
         r, body = self._split(data)
         return decode_into(r.codec, cast(bytes, body), out, key=key)
+
+    def decode_many_into(
+        self, datas: Sequence[bytes], out: KVCache, sizes: Sequence[int], *, keys: Sequence[str | None] | None = None
+    ) -> KVCache:
+        """Consecutive chunks of ``sizes`` tokens into ``out``, which they tile (a
+        :class:`~cachegen.codec.protocol.DecodesManyInto`): each run of chunks whose rungs share a
+        codec goes to it in one call (its ``decode_many_into`` where it has one), so chunks at
+        several levels of the project codec still decode together."""
+        from cachegen.codec.protocol import DecodesManyInto, check_tiling, decode_many_into
+
+        check_tiling(datas, out, sizes, keys)
+        split = [self._split(d) for d in datas]
+        runs: list[list[int]] = []
+        for j, (r, _) in enumerate(split):
+            prev = split[runs[-1][-1]][0].codec if runs else None
+            if prev is r.codec and isinstance(r.codec, DecodesManyInto):
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        pos = out.start
+        for run in runs:
+            n = sum(sizes[j] for j in run)
+            decode_many_into(
+                split[run[0]][0].codec,
+                [cast(bytes, split[j][1]) for j in run],
+                out.slice(pos, pos + n),
+                [sizes[j] for j in run],
+                keys=[keys[j] for j in run] if keys is not None else None,
+            )
+            pos += n
+        return out

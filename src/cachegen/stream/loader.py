@@ -27,9 +27,11 @@ import math
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +43,17 @@ from cachegen.stream.compute_rates import ComputeRates
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import DirectLink
-from cachegen.stream.pipeline import Call, ProducerEnded, Receive, Runner, Send, Stage, StopProducer, ThreadedRunner
+from cachegen.stream.pipeline import (
+    Call,
+    Op,
+    ProducerEnded,
+    Receive,
+    Runner,
+    Send,
+    Stage,
+    StopProducer,
+    ThreadedRunner,
+)
 from cachegen.stream.planner import (
     FASTEST,
     RECENCY_BOOST,
@@ -324,6 +336,7 @@ class StreamingLoader:
         self._get_timeout = _accepts(store.get, "timeout")
         self._decode_key = _accepts(codec.decode, "key")
         self._decode_into = callable(getattr(codec, "decode_into", None))  # a DecodesInto
+        self.decodes_many = callable(getattr(codec, "decode_many_into", None))  # a DecodesManyInto
 
     def load(self, tokens: Sequence[int], *, slo_s: float | None = None, t0: float | None = None) -> LoadResult:
         """The KV of the longest cached prefix of ``tokens`` (``kv=None`` when nothing is cached).
@@ -375,6 +388,23 @@ class StreamingLoader:
             return
         slot.write(self.decode(data, ref, slot))
 
+    def decode_many_into(self, datas: Sequence[bytes], refs: Sequence[ChunkRef], slot: KVCache) -> None:
+        """Decode consecutive chunks fetched for ``refs`` into ``slot``, their ranges of the load's
+        cache, in one call of the codec's ``decode_many_into``
+        (:class:`~cachegen.codec.protocol.DecodesManyInto`), else one :meth:`decode_into` each.
+        A failure may leave ``slot`` partly written, and does not say which chunk failed: the
+        load decodes them one by one to find out."""
+        if not refs or slot.start != refs[0].start or slot.end != refs[-1].end:
+            raise LoaderError(f"slot [{slot.start}, {slot.end}) is not the range of chunks {[r.index for r in refs]}")
+        if any(b.start != a.end for a, b in pairwise(refs)):
+            raise LoaderError(f"chunks {[r.index for r in refs]} are not consecutive")
+        if self.decodes_many:
+            sizes, keys = [r.end - r.start for r in refs], [r.key for r in refs]
+            self.codec.decode_many_into(datas, slot, sizes, keys=keys)  # type: ignore[attr-defined]  # checked in __init__
+            return
+        for data, ref in zip(datas, refs, strict=True):
+            self.decode_into(data, ref, slot.slice(ref.start, ref.end))
+
     def recompute_after(self, prefix: KVCache | None, token_ids: list[int]) -> KVCache:
         """The KV of ``token_ids`` after ``prefix`` (from text)."""
         kv = self.recompute(prefix, list(token_ids))
@@ -416,6 +446,12 @@ class _Cache:
             self.place(loader.decode(data, ref, None))
         else:
             loader.decode_into(data, ref, self.kv.slice(ref.start, ref.end))
+
+    def decode_many(self, loader: StreamingLoader, datas: list[bytes], refs: list[ChunkRef]) -> None:
+        """Decode consecutive chunks into their ranges (the cache is allocated already)."""
+        if self.kv is None:
+            raise LoaderError("a batch of chunks is decoded only after the first chunk")
+        loader.decode_many_into(datas, refs, self.kv.slice(refs[0].start, refs[-1].end))
 
 
 class _Load:
@@ -465,14 +501,18 @@ class _Load:
         return self.l.rates.corrected(self.l.costs) if self.o.policy == FASTEST else self.l.costs
 
     @staticmethod
-    def predicted(costs: CostModel, chunk: PlanChunk, choice: Choice) -> float:
+    def predicted(costs: CostModel, chunk: PlanChunk, choice: Choice, batched: bool = False) -> float:
         if choice == TEXT:
             return costs.recompute_s(chunk.start, chunk.num_tokens)
-        return costs.decode_s(int(choice), chunk.num_values or 1)
+        return costs.decode_s(int(choice), chunk.num_values or 1, batched)
 
-    def book(self, pos: int, chunk: PlanChunk, choice: Choice, costs: CostModel) -> None:
-        """Count chunk ``pos``'s predicted compute as committed (queued for the compute stage)."""
-        self.booked[pos] = self.predicted(costs, chunk, choice)
+    def book(self, pos: int, chunk: PlanChunk, choice: Choice, costs: CostModel, joins: bool = False) -> None:
+        """Count chunk ``pos``'s predicted compute as committed (queued for the compute stage). A
+        fetched chunk that finds compute still committed waits; after one of its level (``joins``)
+        it is decoded in one call with it where the codec can: its batched cost (the planner's
+        model, :func:`~cachegen.stream.planner.simulate`)."""
+        batched = joins and self.l.decodes_many and self.cpu.busy() > 0
+        self.booked[pos] = self.predicted(costs, chunk, choice, batched)
         self.cpu.queued(self.booked[pos])
 
     def start(self, pos: int) -> None:
@@ -480,9 +520,10 @@ class _Load:
         stage books every chunk before it sends it)."""
         self.cpu.started(self.booked.pop(pos))
 
-    def measured(self, chunk: PlanChunk, choice: Choice, seconds: float) -> None:
-        """Teach the loader's rates one chunk's compute time, against the uncorrected model."""
-        self.l.rates.observe(choice, self.predicted(self.l.costs, chunk, choice), seconds)
+    def measured(self, chunk: PlanChunk, choice: Choice, seconds: float, batched: bool = False) -> None:
+        """Teach the loader's rates one chunk's compute time, against the uncorrected model (its
+        batched prediction for a chunk's share of a batch)."""
+        self.l.rates.observe(choice, self.predicted(self.l.costs, chunk, choice, batched), seconds)
 
     def choose(self, plan: LoadPlan, k: int, prev: Choice | None, costs: CostModel) -> tuple[Choice, float]:
         """The choice for the ``k``-th chunk in fetch order by ``costs``, and the estimate it was made with."""
@@ -527,7 +568,7 @@ class _Load:
             chunk = plan.chunks[pos]
             costs = self.plan_costs()
             choice, est = self.choose(plan, k, prev, costs)
-            prev = choice
+            before, prev = prev, choice
             if choice == TEXT:
                 self.book(pos, chunk, TEXT, costs)
                 msg = TextChosen(pos, est, "not stored" if not chunk.sizes else "planned")
@@ -550,7 +591,7 @@ class _Load:
                 return
             end = self.now()
             measured = self.l.estimator.add(nbytes, end - start)
-            self.book(pos, chunk, level, costs)
+            self.book(pos, chunk, level, costs, joins=before == level)
             yield Send(Fetched(pos, level, est, start, end, data, measured))
         if deferred is not None:
             yield Send(deferred)
@@ -576,8 +617,11 @@ class _Load:
         cache = _Cache(chunks[-1].start + chunks[-1].num_tokens, self.o.dtype)
         got: set[int] = set()  # positions whose range of the cache holds their KV
         failed: set[int] = set()
-        for _ in range(n):
-            msg = yield Receive(self.limit)
+        pending: deque[object] = deque()  # messages taken from the queue ahead of their turn
+        handled = 0
+        while handled < n:
+            msg = pending.popleft() if pending else (yield Receive(self.limit))
+            handled += 1
             if isinstance(msg, (Fetched, FetchFailed, TextChosen)):
                 d = decisions[msg.pos]
                 d.est_gbps = msg.est_gbps
@@ -598,29 +642,33 @@ class _Load:
                 self.measured(chunks[msg.pos], TEXT, d.decode_s)
                 continue
             if isinstance(msg, Fetched):
-                d.choice, d.bytes, d.measured_gbps = msg.level, len(msg.data), msg.measured_gbps
-                d.fetch_start, d.fetch_end, d.fetch_s = msg.fetch_start, msg.fetch_end, msg.fetch_end - msg.fetch_start
-                self.start(msg.pos)
-                d.decode_start = self.now()
-                ref = plan.infos[msg.pos].ref
-                # the first decode also allocates the whole cache: not a decode time to learn from
-                typical = cache.kv is not None
-                try:
-                    yield Call(partial(cache.decode, self.l, msg.data, ref))
-                    fault = None
-                except Exception as e:  # anything a decode raises means: this chunk is not usable
-                    fault = _describe(f"chunk {msg.pos} level {msg.level}", e)
-                    self.trace(e)
-                d.decode_end = self.now()
-                d.decode_s = d.decode_end - d.decode_start
-                if fault is None:
-                    got.add(msg.pos)
-                    if typical:
-                        self.measured(chunks[msg.pos], msg.level, d.decode_s)
-                    continue
-                failed.add(msg.pos)
-                self.fault(res, fault)
-                if msg.pos == plan.early:
+                batch = [msg]
+                if cache.kv is not None and self.l.decodes_many:
+                    # fetches that ran ahead and wait in the queue: the consecutive ones of this level
+                    # decode together (the planner counts on that, and each call times one format)
+                    for _ in range(n - handled - len(pending)):
+                        waiting = yield Receive(self.l.clock())
+                        if waiting is None:
+                            break
+                        pending.append(waiting)
+                    while (
+                        pending
+                        and isinstance(pending[0], Fetched)
+                        and pending[0].pos == batch[-1].pos + 1
+                        and pending[0].level == msg.level
+                    ):
+                        batch.append(pending.popleft())  # type: ignore[arg-type]  # checked just above
+                    handled += len(batch) - 1
+                if len(batch) > 1:
+                    done = yield from self.decode_batch(batch, plan, decisions, cache, got)
+                    if done:
+                        continue
+                go_on = True
+                for m in batch:  # one by one: a single chunk, or a batch that failed (which chunk?)
+                    go_on = yield from self.decode_fetched(m, plan, decisions, cache, got, failed, res, len(batch) > 1)
+                    if not go_on:
+                        break
+                if go_on:
                     continue
                 break
             if isinstance(msg, FetchFailed):
@@ -656,6 +704,76 @@ class _Load:
         res.recompute_s = sum(d.decode_s for d in decisions if d.choice == TEXT)
         res.load_s = self.now()
         return res
+
+    def record_fetch(self, d: ChunkDecision, msg: Fetched) -> None:
+        d.est_gbps = msg.est_gbps
+        d.choice, d.bytes, d.measured_gbps = msg.level, len(msg.data), msg.measured_gbps
+        d.fetch_start, d.fetch_end, d.fetch_s = msg.fetch_start, msg.fetch_end, msg.fetch_end - msg.fetch_start
+
+    def decode_batch(
+        self, batch: list[Fetched], plan: LoadPlan, decisions: list[ChunkDecision], cache: _Cache, got: set[int]
+    ) -> Generator[Op, Any, bool]:
+        """Decode consecutive fetched chunks in one call (:meth:`StreamingLoader.decode_many_into`):
+        True when they are all in the cache. Each chunk's decode time is the batch's, shared by
+        tokens. On a failure nothing is recorded (the chunks' compute is started): the caller
+        decodes them one by one, which finds the chunk at fault and rewrites each range."""
+        for m in batch:
+            self.record_fetch(decisions[m.pos], m)
+            self.start(m.pos)
+        refs = [plan.infos[m.pos].ref for m in batch]
+        t = self.now()
+        try:
+            yield Call(partial(cache.decode_many, self.l, [m.data for m in batch], refs))
+        except Exception as e:  # decoded again one by one, where the fault is reported
+            self.trace(e)
+            return False
+        t_end = self.now()
+        total = refs[-1].end - refs[0].start
+        for m, ref in zip(batch, refs, strict=True):
+            d = decisions[m.pos]
+            d.decode_start, d.decode_end = t, t_end
+            d.decode_s = (t_end - t) * (ref.end - ref.start) / total
+            got.add(m.pos)
+            self.measured(plan.chunks[m.pos], m.level, d.decode_s, batched=True)
+        return True
+
+    def decode_fetched(
+        self,
+        msg: Fetched,
+        plan: LoadPlan,
+        decisions: list[ChunkDecision],
+        cache: _Cache,
+        got: set[int],
+        failed: set[int],
+        res: LoadResult,
+        started: bool,
+    ) -> Generator[Op, Any, bool]:
+        """Decode one fetched chunk into its range; False when it failed and the load must stop
+        (every chunk from it on is then recomputed; a failed probe chunk is recomputed last)."""
+        d = decisions[msg.pos]
+        self.record_fetch(d, msg)
+        if not started:
+            self.start(msg.pos)
+        d.decode_start = self.now()
+        ref = plan.infos[msg.pos].ref
+        # the first decode also allocates the whole cache: not a decode time to learn from
+        typical = cache.kv is not None
+        try:
+            yield Call(partial(cache.decode, self.l, msg.data, ref))
+            fault = None
+        except Exception as e:  # anything a decode raises means: this chunk is not usable
+            fault = _describe(f"chunk {msg.pos} level {msg.level}", e)
+            self.trace(e)
+        d.decode_end = self.now()
+        d.decode_s = d.decode_end - d.decode_start
+        if fault is None:
+            got.add(msg.pos)
+            if typical:
+                self.measured(plan.chunks[msg.pos], msg.level, d.decode_s)
+            return True
+        failed.add(msg.pos)
+        self.fault(res, fault)
+        return msg.pos == plan.early
 
     # -- faults ------------------------------------------------------------------------
     def no_message(self, msg: object, what: str) -> str:

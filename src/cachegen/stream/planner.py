@@ -106,6 +106,7 @@ class PipelineState:
     time_left_s: float  # until the deadline (may be negative)
     cpu_busy_s: float = 0.0  # predicted compute work already committed
     net_busy_s: float = 0.0  # predicted network work already committed
+    prev: Choice | None = None  # the choice of the chunk fetched last (a batch it may join)
 
 
 @dataclass
@@ -116,22 +117,29 @@ class Prediction:
     fits: bool
 
 
-def chunk_costs(chunk: PlanChunk, choice: Choice, gbps: float, costs: CostModel) -> tuple[float, float]:
-    """(network seconds, compute seconds) of one chunk under one choice."""
+def chunk_costs(
+    chunk: PlanChunk, choice: Choice, gbps: float, costs: CostModel, batched: bool = False
+) -> tuple[float, float]:
+    """(network seconds, compute seconds) of one chunk under one choice (``batched``: its decode
+    shares a call with chunks that waited with it, :meth:`CostModel.decode_s`)."""
     if choice == TEXT:
         return 0.0, costs.recompute_s(chunk.start, chunk.num_tokens)
     level = int(choice)
-    return costs.fetch_s(chunk.sizes[level], gbps), costs.decode_s(level, chunk.num_values)
+    return costs.fetch_s(chunk.sizes[level], gbps), costs.decode_s(level, chunk.num_values, batched)
 
 
 def _step(
-    net: float, cpu: float, chunk: PlanChunk, choice: Choice, gbps: float, costs: CostModel
+    net: float, cpu: float, chunk: PlanChunk, choice: Choice, gbps: float, costs: CostModel, prev: Choice | None
 ) -> tuple[float, float]:
-    n, c = chunk_costs(chunk, choice, gbps, costs)
+    """(net, cpu) after ``chunk``: its fetch follows the last one; its compute starts when it has
+    arrived and the compute before it is done. The loader decodes consecutive chunks of one level
+    that wait in its queue in one call: a chunk that arrives while the compute stage is still busy,
+    after one of its level (``prev``), costs its batched share."""
     if choice == TEXT:
-        return net, cpu + c
-    net = net + n
-    return net, max(cpu, net) + c
+        return net, cpu + costs.recompute_s(chunk.start, chunk.num_tokens)
+    level = int(choice)
+    net = net + costs.fetch_s(chunk.sizes[level], gbps)
+    return net, max(cpu, net) + costs.decode_s(level, chunk.num_values, cpu > net and prev == choice)
 
 
 def simulate(
@@ -144,9 +152,10 @@ def simulate(
     """Predicted seconds from now until the last chunk's compute ends; ``gbps`` is one rate, or
     a function of the chunk index (e.g. a trace's ``gbps_at``)."""
     st = state or PipelineState(0.0)
-    net, cpu = st.net_busy_s, st.cpu_busy_s
+    net, cpu, prev = st.net_busy_s, st.cpu_busy_s, st.prev
     for ch, c in zip(chunks, choices):
-        net, cpu = _step(net, cpu, ch, c, gbps(ch.index) if callable(gbps) else gbps, costs)
+        net, cpu = _step(net, cpu, ch, c, gbps(ch.index) if callable(gbps) else gbps, costs, prev)
+        prev = c
     return cpu
 
 
@@ -163,18 +172,20 @@ def cheapest_tail(
     net: float,
     cpu: float,
     allowed: Sequence[int] | None = None,
+    prev: Choice | None = None,
 ) -> tuple[float, float, list[Choice]]:
-    """Greedy: each chunk takes the option that ends its compute soonest."""
+    """Greedy: each chunk takes the option that ends its compute soonest (``prev``: the choice
+    of the chunk before the first)."""
     picks: list[Choice] = []
     for ch in chunks:
         best: tuple[float, float, Choice] | None = None
         for o in options(ch, allowed):
-            n2, c2 = _step(net, cpu, ch, o, gbps, costs)
+            n2, c2 = _step(net, cpu, ch, o, gbps, costs, prev)
             if best is None or (c2, n2) < (best[1], best[0]):
                 best = (n2, c2, o)
         assert best is not None  # options() always holds TEXT
-        net, cpu = best[0], best[1]
-        picks.append(best[2])
+        net, cpu, prev = best
+        picks.append(prev)
     return net, cpu, picks
 
 
@@ -186,14 +197,17 @@ def tail_at(
     net: float,
     cpu: float,
     allowed: Sequence[int] | None = None,
+    prev: Choice | None = None,
 ) -> float:
     """Compute end when every chunk takes ``level`` (a boosted chunk: its :func:`lift`; a chunk
-    without it: its fastest option)."""
+    without it: its fastest option); ``prev``: the choice of the chunk before the first."""
     for ch in chunks:
         if level in ch.sizes or level == TEXT:
-            net, cpu = _step(net, cpu, ch, lift(ch, level, allowed), gbps, costs)
+            o = lift(ch, level, allowed)
+            net, cpu = _step(net, cpu, ch, o, gbps, costs, prev)
+            prev = o
         else:
-            net, cpu, _ = cheapest_tail([ch], gbps, costs, net, cpu, allowed)
+            net, cpu, (prev,) = cheapest_tail([ch], gbps, costs, net, cpu, allowed, prev)
     return cpu
 
 
@@ -215,14 +229,19 @@ def finish_quantile(
     m = tail_s_per_bit.shape[0]
     net = np.full(m, state.net_busy_s)
     cpu = np.full(m, state.cpu_busy_s)
+    prev = state.prev
     for j, (ch, o) in enumerate(zip(chunks, plan)):
         if o == TEXT:
             cpu = cpu + costs.recompute_s(ch.start, ch.num_tokens)
+            prev = o
             continue
         spb = head_s_per_bit if j == 0 else tail_s_per_bit[:, j - 1]
         level = int(o)
         net = net + (costs.fetch_latency_s + 8 * ch.sizes[level] * spb)
-        cpu = np.maximum(cpu, net) + costs.decode_s(level, ch.num_values)
+        single = costs.decode_s(level, ch.num_values)
+        batched = costs.decode_s(level, ch.num_values, True) if prev == o else single  # as :func:`_step`
+        cpu = np.maximum(cpu, net) + np.where(cpu > net, batched, single)
+        prev = o
     return float(np.quantile(cpu, q))
 
 
@@ -261,7 +280,7 @@ def choose_adaptive(
     budget = state.time_left_s * safety
     heads = {}
     for o in options(head, allowed):
-        heads[o] = _step(state.net_busy_s, state.cpu_busy_s, head, o, gbps, costs)
+        heads[o] = _step(state.net_busy_s, state.cpu_busy_s, head, o, gbps, costs, state.prev)
     text_net, text_cpu = heads[TEXT]
     levels = [o for o in heads if o != TEXT]
 
@@ -269,7 +288,11 @@ def choose_adaptive(
         return Prediction(o, heads[o][1], total, total <= budget)
 
     # risk planning only: the fastest option of each later chunk, for chunks lacking the planned level
-    fast = cheapest_tail(tail, tg, costs, *heads[levels[-1]], allowed)[2] if futures is not None and levels else []
+    fast = (
+        cheapest_tail(tail, tg, costs, *heads[levels[-1]], allowed, levels[-1])[2]
+        if futures is not None and levels
+        else []
+    )
 
     def fits(o: Choice, total: float) -> bool:
         if futures is None or not tail:
@@ -280,17 +303,17 @@ def choose_adaptive(
     # 1. an even plan (boosted chunks a few levels better)
     for o in levels:
         ho = lift(head, o, allowed)
-        total = tail_at(tail, o, tg, costs, *heads[ho], allowed)
+        total = tail_at(tail, o, tg, costs, *heads[ho], allowed, ho)
         if fits(o, total):
             if text_cpu <= heads[ho][1]:
-                tt = tail_at(tail, o, tg, costs, text_net, text_cpu, allowed)
+                tt = tail_at(tail, o, tg, costs, text_net, text_cpu, allowed, TEXT)
                 if tt <= budget:
                     return pred(TEXT, tt)
             return pred(ho, total)
     # 2. this chunk as good as possible, the rest as fast as possible
     fastest: list[Prediction] = []
     for o in [*levels, TEXT]:
-        _, total, _ = cheapest_tail(tail, tg, costs, *heads[o], allowed)
+        _, total, _ = cheapest_tail(tail, tg, costs, *heads[o], allowed, o)
         fastest.append(pred(o, total))
     text = fastest[-1]
     for p in fastest[:-1]:
@@ -306,20 +329,33 @@ def useful_options(chunk: PlanChunk, costs: CostModel, allowed: Sequence[int] | 
     """:func:`options` less the stored levels that another one beats on both bytes and decode
     time (they can never end a load sooner): the few that matter to :func:`choose_fastest`."""
     lv = options(chunk, allowed, text=False)
-    cost = {o: (chunk.sizes[int(o)], costs.decode_s(int(o), chunk.num_values)) for o in lv}
+    cost = {
+        o: (
+            chunk.sizes[int(o)],
+            costs.decode_s(int(o), chunk.num_values),
+            costs.decode_s(int(o), chunk.num_values, True),
+        )
+        for o in lv
+    }
     keep = [
         o
         for o in lv
-        if not any(cost[p][0] <= cost[o][0] and cost[p][1] <= cost[o][1] and cost[p] != cost[o] for p in lv if p != o)
+        if not any(all(a <= b for a, b in zip(cost[p], cost[o])) and cost[p] != cost[o] for p in lv if p != o)
     ]
     return [*keep, TEXT]
 
 
 def _soonest(
-    net: float, cpu: float, chunk: PlanChunk, choices: Sequence[Choice], gbps: float, costs: CostModel
-) -> tuple[float, float]:
-    """(net, cpu) after ``chunk`` at whichever of ``choices`` ends its compute soonest."""
-    return min((_step(net, cpu, chunk, c, gbps, costs) for c in choices), key=lambda nc: (nc[1], nc[0]))
+    net: float,
+    cpu: float,
+    chunk: PlanChunk,
+    choices: Sequence[Choice],
+    gbps: float,
+    costs: CostModel,
+    prev: Choice | None,
+) -> tuple[float, float, Choice]:
+    """(net, cpu, choice) after ``chunk`` at whichever of ``choices`` ends its compute soonest."""
+    return min(((*_step(net, cpu, chunk, c, gbps, costs, prev), c) for c in choices), key=lambda ncc: (ncc[1], ncc[0]))
 
 
 def choose_fastest(
@@ -350,19 +386,20 @@ def choose_fastest(
     formats = [o for o in opts[0] if o != TEXT]
     best: Prediction | None = None
     for o in opts[0]:
-        net0, cpu0 = _step(state.net_busy_s, state.cpu_busy_s, window[0], o, gbps, costs)
+        net0, cpu0 = _step(state.net_busy_s, state.cpu_busy_s, window[0], o, gbps, costs, state.prev)
         ends = []
-        net, cpu = net0, cpu0
+        net, cpu, prev = net0, cpu0, o
         for ch, chs in zip(window[1:], opts[1:]):  # greedy
-            net, cpu = _soonest(net, cpu, ch, chs, tg, costs)
+            net, cpu, prev = _soonest(net, cpu, ch, chs, tg, costs, prev)
         ends.append(cpu)
         for f in formats:  # one format for the rest (a chunk without it: its greedy option)
-            net, cpu = net0, cpu0
+            net, cpu, prev = net0, cpu0, o
             for ch, chs in zip(window[1:], opts[1:]):
                 if f in ch.sizes:
-                    net, cpu = _step(net, cpu, ch, f, tg, costs)
+                    net, cpu = _step(net, cpu, ch, f, tg, costs, prev)
+                    prev = f
                 else:
-                    net, cpu = _soonest(net, cpu, ch, chs, tg, costs)
+                    net, cpu, prev = _soonest(net, cpu, ch, chs, tg, costs, prev)
             ends.append(cpu)
         total = min(ends)
         if best is None or total < best.total_s:
@@ -398,8 +435,8 @@ def _cold_start(
     probe = smallest_level(ch, allowed)
     if probe is None:
         return TEXT
-    _n, c = _step(0.0, cpu_busy_s, ch, probe, est_gbps, costs)
-    _, ct = _step(0.0, cpu_busy_s, ch, TEXT, est_gbps, costs)
+    _n, c = _step(0.0, cpu_busy_s, ch, probe, est_gbps, costs, None)
+    _, ct = _step(0.0, cpu_busy_s, ch, TEXT, est_gbps, costs, None)
     return TEXT if ct < c and ch.start == 0 else probe
 
 
@@ -443,7 +480,7 @@ def decide(
         if not known:
             return _cold_start(ch, cpu_busy_s, est_gbps, costs, allowed)
         left = math.inf if time_left_s is None else time_left_s
-        st = PipelineState(time_left_s=left, cpu_busy_s=cpu_busy_s)
+        st = PipelineState(time_left_s=left, cpu_busy_s=cpu_busy_s, prev=prev)
         return choose_fastest(remaining, est_gbps, costs, st, allowed, tail_gbps=tail_gbps).choice
     if time_left_s is None:
         return min(options(ch, allowed, text=False), default=TEXT)
@@ -454,7 +491,7 @@ def decide(
         if not known or prev == TEXT:
             return probe
         return choose_rule(ch, share_s if share_s is not None else 0.0, last_gbps, costs, allowed)
-    st = PipelineState(time_left_s=time_left_s, cpu_busy_s=cpu_busy_s)
+    st = PipelineState(time_left_s=time_left_s, cpu_busy_s=cpu_busy_s, prev=prev)
     if not known:
         return _cold_start(ch, cpu_busy_s, est_gbps, costs, allowed)
     futures = None
