@@ -136,6 +136,7 @@ MODULES: tuple[Module, ...] = (
             "tests/codec/test_codec_paths.py",
             "tests/codec/test_finite_check.py",
             "tests/codec/test_context_end.py",
+            "tests/codec/test_decode_many.py",
             *_FAST,
         ),
         "H1",
@@ -181,6 +182,7 @@ MODULES: tuple[Module, ...] = (
             "tests/stream/test_loader_messages.py",
             "tests/stream/test_loader_options.py",
             "tests/stream/test_planner_oracles.py",
+            "tests/stream/test_loader_batch.py",
             # the real codec's test compiles its numba kernels in the mutated copy (38 s in mutmut's
             # stats), and mutmut runs it for every mutant of load(): the toy codec's tests hold the loader
             "-k",
@@ -199,6 +201,7 @@ MODULES: tuple[Module, ...] = (
             "tests/stream/test_planner_adaptive.py",
             "tests/stream/test_planner_fastest.py",
             "tests/stream/test_fastest.py",
+            "tests/stream/test_batched_costs.py",
             *_FAST,
         ),
         "H2",
@@ -223,6 +226,10 @@ _CHECK = "encode_columns' check= only tests symbol < alphabet size: uint8 plane 
 _DUMMY = "a one-symbol plane's dummy count: any positive count below the cap's remainder gives the same capped table"
 _SLICE = "a section/step/class slice one longer is cut back to the layer's two by the zip over (k, v) in _encode_layer"
 _COPY = "tobytes() copies anyway: whether astype copies changes no byte"
+_ZIP = "zip over sequences of equal length by construction: strict= changes nothing"
+_JOBS = "how sections are grouped into decode jobs changes the work per thread, not a value"
+_ONE_BY_ONE = "chunks decoded one by one instead of together: the same values (the tests' reference), only slower"
+_F64BUF = "the kernel computes in float32: a float64 buffer holds its values exactly and the cast rounds them the same"
 _CODEC_EQUIVALENT = {
     "x_all_finite__mutmut_3": "the first sum in the tensor's own dtype instead of float32: NaN and Inf still make it"
     " non-finite and an overflow still falls back to the float64 sum; only slower for bf16 and fp16",
@@ -235,15 +242,6 @@ _CODEC_EQUIVALENT = {
     "x__decode_lossless__mutmut_105": _I64,
     "x__decode_lossless__mutmut_113": "reshape(None) and reshape(-2) of the C-contiguous raw bytes: np.frombuffer reads the same buffer",
     "x__decode_lossless__mutmut_115": "reshape(None) and reshape(-2) of the C-contiguous raw bytes: np.frombuffer reads the same buffer",
-    "x__decode_lossy__mutmut_37": _EXACT + " (the escapes are int32)",
-    "x__decode_lossy__mutmut_39": _EXACT + " (the escapes are int32)",
-    "x__decode_lossy__mutmut_41": "a pad of two instead of one: dequantize reads at most esc[n_esc]",
-    "x__decode_lossy__mutmut_51": "float64 zeros: row_scale casts u to float64, decode_interleaved row shifts to int64",
-    "x__decode_lossy__mutmut_53": "float64 zeros: row_scale casts u to float64, decode_interleaved row shifts to int64",
-    "x__decode_lossy__mutmut_86": "float64 u: the range check compares values, row_scale casts to float64, row shifts to int64",
-    "x__decode_lossy__mutmut_96": _I64,
-    "x__decode_lossy__mutmut_98": _I64,
-    "x__decode_lossy__mutmut_102": "unreachable: a u table has N_U = U_MAX - U_MIN + 1 symbols (checked by Profile.from_bytes), so u <= U_MAX",
     "x__encode_lossless__mutmut_26": "'<b' and '<B' pack an element size of 2 or 4 to the same byte",
     "x__encode_lossless__mutmut_37": _PREC,
     "x__encode_lossless__mutmut_42": _CHECK,
@@ -267,20 +265,69 @@ _CODEC_EQUIVALENT = {
     "x__lossless_tables__mutmut_26": _DUMMY + " (2e-9 instead of 1e-9 for an empty plane)",
     "x__lossless_tables__mutmut_35": "at exactly the cap the capping moves freqs[top] - cap = 0",
     "x__lossless_tables__mutmut_39": "-2 or -1 at the top: argmax of the rest picks a frequency >= 0 either way",
-    "x_layer_inputs__mutmut_26": "K and V of a layer have the same heads (KVLayer and the profile's layer_dims)",
-    "x_layer_inputs__mutmut_30": "K and V of a layer have the same tokens (KVLayer checks it)",
     "x_section_symbols__mutmut_12": "a pad of two instead of one: quantize writes at most y.size escapes",
-    "xǁCodecǁencode__mutmut_46": "pid None or '': pack_header writes 16 zero bytes for any false profile id",
-    "xǁCodecǁencode__mutmut_76": "calibrate's n_sink defaults to DEFAULT_SINK = 4",
-    "xǁCodecǁencode__mutmut_103": _SLICE + " (layer_multipliers' extra u is unused)",
-    "xǁCodecǁencode__mutmut_104": _SLICE + " (layer_multipliers' extra u is unused)",
-    "xǁCodecǁencode__mutmut_109": _SLICE,
-    "xǁCodecǁencode__mutmut_110": _SLICE,
-    "xǁCodecǁencode__mutmut_115": _SLICE,
-    "xǁCodecǁencode__mutmut_116": _SLICE,
-    "xǁCodecǁencode__mutmut_129": "pack_header writes FORMAT_VERSION itself, not h.version",
-    "xǁCodecǁencode__mutmut_142": "pack_header ignores payload_offset (parse_header computes it)",
-    "xǁCodecǁencode__mutmut_162": "pack_header ignores payload_offset (parse_header computes it)",
+    "xǁCodecǁencode__mutmut_55": "pid None or '': pack_header writes 16 zero bytes for any false profile id",
+    "xǁCodecǁencode__mutmut_85": "calibrate's n_sink defaults to DEFAULT_SINK = 4",
+    "xǁCodecǁencode__mutmut_118": _SLICE + " (layer_multipliers' extra u is unused)",
+    "xǁCodecǁencode__mutmut_119": _SLICE + " (layer_multipliers' extra u is unused)",
+    "xǁCodecǁencode__mutmut_124": _SLICE,
+    "xǁCodecǁencode__mutmut_125": _SLICE,
+    "xǁCodecǁencode__mutmut_130": _SLICE,
+    "xǁCodecǁencode__mutmut_131": _SLICE,
+    "xǁCodecǁencode__mutmut_144": "pack_header writes FORMAT_VERSION itself, not h.version",
+    "xǁCodecǁencode__mutmut_157": "pack_header ignores payload_offset (parse_header computes it)",
+    "xǁCodecǁencode__mutmut_177": "pack_header ignores payload_offset (parse_header computes it)",
+    # the lossy decode, split into parsing, rANS and values for decoding several chunks in one call
+    "x__parse_lossy__mutmut_37": _EXACT + " (the escapes are int32)",
+    "x__parse_lossy__mutmut_39": _EXACT + " (the escapes are int32)",
+    "x__parse_lossy__mutmut_41": "a pad of two instead of one: dequantize reads at most esc[n_esc]",
+    "x__parse_lossy__mutmut_51": "float64 zeros: row_scale casts u to float64, decode_interleaved row shifts to int64",
+    "x__parse_lossy__mutmut_53": "float64 zeros: row_scale casts u to float64, decode_interleaved row shifts to int64",
+    "x__parse_lossy__mutmut_86": "float64 u: the range check compares values, row_scale casts to float64, row shifts to int64",
+    "x__parse_lossy__mutmut_96": _I64,
+    "x__parse_lossy__mutmut_98": _I64,
+    "x__parse_lossy__mutmut_102": "unreachable: a u table has N_U = U_MAX - U_MIN + 1 symbols (checked by Profile.from_bytes), so u <= U_MAX",
+    "x__decode_lossy__mutmut_28": "the placeholder arrays are all replaced by decoded symbols before they are read",
+    "x__decode_lossy__mutmut_45": _ZIP,
+    "x__decode_lossy__mutmut_48": _ZIP,
+    "x__decode_lossy__mutmut_49": _ZIP,
+    "x__finish_lossy__mutmut_20": _ZIP,
+    "x__finish_lossy__mutmut_23": _ZIP,
+    "x__finish_lossy__mutmut_24": _ZIP,
+    "x__decode_job__mutmut_30": "a buffer of the chunks' dtype when out has it too: the same values, one copy more",
+    "x__decode_job__mutmut_49": _ZIP,
+    "x__decode_job__mutmut_52": _ZIP,
+    "x__decode_job__mutmut_53": _ZIP,
+    "x__from_bytes__mutmut_10": "an empty tensor: copying no values, whatever its dtype",
+    "x__from_bytes__mutmut_12": "an empty tensor: copying no values, whatever its dtype",
+    "x_layer_inputs__mutmut_32": "K and V of a layer have the same heads (KVLayer and the profile's layer_dims)",
+    "x_layer_inputs__mutmut_36": "K and V of a layer have the same tokens (KVLayer checks it)",
+    "xǁCodecǁ_decode_sections__mutmut_26": _JOBS,
+    "xǁCodecǁ_decode_sections__mutmut_29": _JOBS,
+    "xǁCodecǁ_decode_sections__mutmut_39": _ZIP,
+    "xǁCodecǁ_decode_sections__mutmut_42": _ZIP,
+    "xǁCodecǁ_decode_sections__mutmut_43": _ZIP,
+    "xǁCodecǁ_split__mutmut_1": _JOBS,
+    "xǁCodecǁ_split__mutmut_2": _JOBS,
+    "xǁCodecǁ_split__mutmut_4": _JOBS + " (decode_jobs reads threads only where the AVX-512 decoder runs)",
+    "xǁCodecǁdecode_many_into__mutmut_13": _ZIP,
+    "xǁCodecǁdecode_many_into__mutmut_16": _ZIP,
+    "xǁCodecǁdecode_many_into__mutmut_17": _ZIP,
+    "xǁCodecǁdecode_many_into__mutmut_44": _ONE_BY_ONE,
+    "xǁCodecǁdecode_many_into__mutmut_48": _ONE_BY_ONE,
+    "xǁCodecǁdecode_many_into__mutmut_50": _ONE_BY_ONE,
+    "xǁCodecǁdecode_many_into__mutmut_52": _ONE_BY_ONE,
+    "xǁCodecǁdecode_many_into__mutmut_56": _ZIP,
+    "xǁCodecǁdecode_many_into__mutmut_59": _ZIP,
+    "xǁCodecǁdecode_many_into__mutmut_60": _ZIP,
+    "xǁCodecǁ__del____mutmut_10": "shutdown(wait=None): as wait=False, None is false",
+    "xǁCodecǁ__del____mutmut_11": "joining the idle pool from __del__: it deadlocked only when a collection ran inside"
+    " another thread's start-up, which no test provokes reliably",
+}
+_TRANSFORM_EQUIVALENT = {
+    "x_inverse_section_into__mutmut_1": "every caller passes start",
+    "x_inverse_section_into__mutmut_57": _F64BUF,
+    "x_inverse_section_into__mutmut_59": _F64BUF,
 }
 _QUANT_EQUIVALENT = {
     "x_classes_for__mutmut_7": _F64,
@@ -288,6 +335,7 @@ _QUANT_EQUIVALENT = {
     "x_laplace_prior__mutmut_13": "an int64 arange plus 0.5 gives the same float64 values",
     "x_laplace_prior__mutmut_16": "an int64 arange plus 0.5 gives the same float64 values",
     "x_laplace_prior__mutmut_28": "at x = 0 both halves of the CDF are 0.5 (and x = q +- 1/2 is never 0)",
+    "x_laplace_prior__mutmut_60": "a probability of exactly 2**-13 from a difference of two Laplace CDF values does not occur",
     "x_laplace_prior__mutmut_68": "np.zeros defaults to float64",
     "x_laplace_prior__mutmut_70": "np.zeros defaults to float64",
     "x_tables_from_counts__mutmut_10": _F64,
@@ -355,6 +403,8 @@ _RANS_EQUIVALENT = {
     "model.xǁCategoricalǁfrom_counts__mutmut_13": "quantize_counts casts the counts to float64 itself",
 }
 _NOTEXT = "text=None is false like text=False: options() leaves TEXT out"
+_PREVTEXT = "prev TEXT or None: neither is a level, so no chunk after it joins a batch either way"
+_NETONLY = "chunk_costs' one caller (choose_rule) reads only the network seconds"
 _PLANNER_EQUIVALENT = {
     "x_lift__mutmut_2": "boost 0 passes the check: lv[max(0, lv.index(level) - 0)] is the level itself",
     "x_lift__mutmut_8": _NOTEXT,
@@ -365,13 +415,38 @@ _PLANNER_EQUIVALENT = {
     "x_choose_rule__mutmut_3": _NOTEXT,
     "x_choose_rule__mutmut_6": "TEXT as the last option returns TEXT (its fetch is 0.0 s) when no level fits, as the fall-through does",
     "x_choose_rule__mutmut_7": "TEXT as the last option returns TEXT (its fetch is 0.0 s) when no level fits, as the fall-through does",
-    "x_decide__mutmut_50": _NOTEXT,
     "x_decide__mutmut_24": "choose_fastest's choice does not depend on time_left_s (only Prediction.fits, which decide drops)",
     "x_simulate__mutmut_3": "simulate never reads the default state's time_left_s",
     "x_simulate__mutmut_4": "simulate never reads the default state's time_left_s",
-    "x__cold_start__mutmut_22": "the text step returns the link time unchanged and only its compute end is read",
-    "x__cold_start__mutmut_26": "the text step does not read the rate (chunk_costs of TEXT is the recompute alone)",
-    "x__cold_start__mutmut_34": "the text step returns the link time unchanged and only its compute end is read",
+    "x__cold_start__mutmut_23": "the text step returns the link time unchanged and only its compute end is read",
+    "x__cold_start__mutmut_27": "the text step does not read the rate (the recompute alone)",
+    "x__cold_start__mutmut_36": "the text step returns the link time unchanged and only its compute end is read",
+    "x_choose_adaptive__mutmut_147": _PREVTEXT,
+    "x_choose_adaptive__mutmut_155": _PREVTEXT,
+    "x_finish_quantile__mutmut_26": _PREVTEXT,
+    "x_chunk_costs__mutmut_1": _NETONLY,
+    "x_chunk_costs__mutmut_16": _NETONLY,
+    "x_chunk_costs__mutmut_19": _NETONLY,
+    "x_decide__mutmut_52": _NOTEXT,
+    "x_decide__mutmut_106": "with one chunk left there is no tail: choose_adaptive's fits() never reads the futures",
+    "x_decide__mutmut_120": "finish_quantile reads one column of futures per later chunk: the two extra are never read",
+}
+_DRAIN = (
+    "draining for more messages than are left only finds the queue empty (Receive at now returns None at once)"
+    " or the fetch stage's end, which the loop never reaches: it stops after its n messages"
+)
+_LOADER_EQUIVALENT = {
+    "xǁ_Loadǁcompute_stage__mutmut_99": _DRAIN,
+    "xǁ_Loadǁcompute_stage__mutmut_100": _DRAIN,
+    "xǁ_Loadǁcompute_stage__mutmut_136": "go_on is set by the loop over the batch, which is never empty",
+    "xǁ_Loadǁcompute_stage__mutmut_137": "go_on is set by the loop over the batch, which is never empty",
+    "xǁ_Loadǁdecode_batch__mutmut_27": _ZIP,
+    "xǁ_Loadǁbook__mutmut_1": "every caller passes joins",
+    "xǁ_Loadǁcompute_stage__mutmut_96": "a batch tried where none can be made (before the cache exists, or with a codec"
+    " that decodes one chunk at a time) fails at once with a LoaderError and its chunks are decoded one by one: the"
+    " same cache, the same decisions",
+    "xǁ_Loadǁdecode_batch__mutmut_30": _ZIP,
+    "xǁ_Loadǁdecode_batch__mutmut_31": _ZIP,
 }
 _SQLCASE = "SQL keywords, identifiers, pragma names and values are case-insensitive; no quoted literal changes"
 _LOCAL_EQUIVALENT = {
@@ -514,6 +589,7 @@ EQUIVALENT: dict[str, str] = {
     **{f"cachegen.stream.planner.{n}": why for n, why in _PLANNER_EQUIVALENT.items()},
     **{f"cachegen.codec.codec.{n}": why for n, why in _CODEC_EQUIVALENT.items()},
     **{f"cachegen.codec.quant.{n}": why for n, why in _QUANT_EQUIVALENT.items()},
+    **{f"cachegen.codec.transform.{n}": why for n, why in _TRANSFORM_EQUIVALENT.items()},
     **{f"cachegen.codec.rans.{n}": why for n, why in _RANS_EQUIVALENT.items()},
     "cachegen.store.keys.x_token_bytes__mutmut_34": _COPY,
     "cachegen.store.keys.x_token_bytes__mutmut_36": _COPY,
@@ -521,6 +597,7 @@ EQUIVALENT: dict[str, str] = {
     **{f"cachegen.store.local.{n}": why for n, why in _LOCAL_EQUIVALENT.items()},
     "cachegen.stream.loader.xǁ_Loadǁno_message__mutmut_10": "unreachable: the fetch stage sends only messages that"
     " compute_stage handles before no_message (a timeout's None and ProducerEnded return earlier)",
+    **{f"cachegen.stream.loader.{n}": why for n, why in _LOADER_EQUIVALENT.items()},
 }
 
 

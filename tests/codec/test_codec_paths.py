@@ -284,6 +284,16 @@ def test_a_codec_whose_arguments_were_refused_is_collected_silently(monkeypatch)
     assert [u.exc_value for u in caught] == []
 
 
+def test_a_collected_codec_shuts_its_pool_down(profile):
+    codec = Codec(profile, threads=2)
+    codec.decode(codec.encode(_kv(3, tokens=20), 3))  # the pool's threads are running
+    pool = codec._pool
+    assert pool is not None and not pool._shutdown
+    del codec
+    gc.collect()
+    assert pool._shutdown  # its threads exit once idle
+
+
 # -- keys coded before RoPE --------------------------------------------------------------------
 
 

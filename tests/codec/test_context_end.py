@@ -5,6 +5,7 @@ bench harness). The chunk decodes the same without the end; only the bits move."
 from __future__ import annotations
 
 import re
+import uuid
 
 import numpy as np
 import pytest
@@ -224,8 +225,11 @@ def test_the_protocol_names_who_takes_the_end(profile):
 
 
 def test_the_store_tells_the_codec_where_the_context_ends():
+    # mock stores live as long as the process: fresh names, so a second run in one process (the
+    # mutation tool's stats, then its clean run) finds them empty
+    run = uuid.uuid4().hex
     spy = _Spy()
-    cs = ContextStore(open_backend("mock://end"), Namespace("m", 4, "p"), encoder=spy, chunk_tokens=32)
+    cs = ContextStore(open_backend(f"mock://end-{run}"), Namespace("m", 4, "p"), encoder=spy, chunk_tokens=32)
     toks = list(range(100))
     cs.put_context(toks, _kv(1, 100))
     assert spy.ends == [100] * 4  # the default: the tokens given end the context
@@ -235,7 +239,7 @@ def test_the_store_tells_the_codec_where_the_context_ends():
     assert spy.ends == [160, 160]
     with pytest.raises(ConfigError, match=_exact("context_end 50 must be an int, at least the 64 tokens given")):
         cs.put_context(toks2[:64], _kv(2, 64), context_end=50)
-    plain = ContextStore(open_backend("mock://plain"), Namespace("m", 4, "p"), encoder=_Plain(), chunk_tokens=32)
+    plain = ContextStore(open_backend(f"mock://plain-{run}"), Namespace("m", 4, "p"), encoder=_Plain(), chunk_tokens=32)
     plain.put_context(toks, _kv(1, 100))  # a codec without the argument is not given it
 
 

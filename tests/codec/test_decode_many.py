@@ -196,3 +196,50 @@ def test_the_helper_falls_back_to_one_chunk_at_a_time(profile):
         decode_many_into(plain, [blobs[1], blobs[0], blobs[2]], out, [9, 5, 7])
     with pytest.raises(ConfigError, match="do not tile"):
         decode_many_into(plain, blobs, out, [5, 9, 8])
+
+
+def test_lossy_chunks_of_two_dtypes_keep_each_chunks_rounding(profile):
+    """A bf16 chunk's values are bf16 values in a float32 cache too, next to a float32 chunk's."""
+    codec = Codec(profile, threads=2)
+    whole = _kv(6, 40)
+    blobs = [codec.encode(whole.slice(0, 20), 4), codec.encode(whole.slice(20, 40).to(torch.bfloat16), 4)]
+    ref = _one_by_one(codec, blobs, whole, [20, 20], [None, None])
+    out = _filled(whole, 40)
+    codec.decode_many_into(blobs, out, [20, 20])
+    _same(out, ref)
+    alone = codec.decode(blobs[1])  # the bf16 chunk decoded on its own, then widened
+    for a, b in zip(out.slice(20, 40).layers, alone.layers, strict=True):
+        assert torch.equal(a.k, b.k.float()) and torch.equal(a.v, b.v.float())
+
+
+def test_self_contained_chunks_decode_with_their_own_profiles():
+    """Chunks that carry their profile (no shared one) decode into a cache one or several at a time."""
+    codec = Codec(None, threads=1)
+    whole = _kv(7, 30)
+    blobs = [codec.encode(whole.slice(0, 10), 4), codec.encode(whole.slice(10, 30), 6)]
+    ref = _filled(whole, 30)
+    codec.decode_into(blobs[0], ref.slice(0, 10))
+    codec.decode_into(blobs[1], ref.slice(10, 30))
+    for a, b in zip(ref.slice(10, 30).layers, codec.decode(blobs[1]).layers, strict=True):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    out = _filled(whole, 30)
+    codec.decode_many_into(blobs, out, [10, 20])
+    _same(out, ref)
+
+
+@pytest.mark.parametrize(
+    ("n", "threads", "sizes"),
+    [(60, 2, [3, 4, 4, 4] * 4), (8, 2, [4, 4]), (5, 2, [2, 3]), (9, 1, [3, 3, 3]), (1, 2, [1])],
+)
+def test_decode_jobs_share_sections_evenly_where_the_simd_decoder_runs(monkeypatch, n, threads, sizes):
+    """Up to four sections to a job, in a job count the threads share evenly, sizes differing by at
+    most one; without the AVX-512 decoder, one section per job."""
+    from cachegen.codec import rans
+    from cachegen.codec.codec import decode_jobs
+
+    sections = list(range(n))
+    monkeypatch.setattr(rans.simd, "available", lambda: True)
+    jobs = decode_jobs(sections, threads)
+    assert [len(j) for j in jobs] == sizes and [s for j in jobs for s in j] == sections
+    monkeypatch.setattr(rans.simd, "available", lambda: False)
+    assert decode_jobs(sections, threads) == [[s] for s in sections]

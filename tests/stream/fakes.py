@@ -301,3 +301,42 @@ def _link_blob(src: str, dst: str) -> None:
         except OSError:  # another filesystem (TMPDIR elsewhere than pytest's temporary directory)
             pass
     shutil.copyfile(src, dst)
+
+
+class BatchingToyCodec(ToyCodec):
+    """A :class:`ToyCodec` that also decodes into a cache, one chunk (``decode_into``) or several
+    consecutive ones in one call (``decode_many_into``), recording each call as ``(kind, chunks)``.
+    On ``sleep`` (a VirtualClock's) a decode takes ``first_s`` (``decode``: the loader's first
+    chunk, which allocates the cache), ``alone_s`` (``decode_into``) or ``share_s`` per chunk
+    (``decode_many_into``)."""
+
+    def __init__(self, sleep: Callable[[float], None], first_s: float = 1.0, alone_s: float = 0.01, share_s=0.002):
+        super().__init__()
+        self._sleep, self.first_s, self.alone_s, self.share_s = sleep, first_s, alone_s, share_s
+        self.calls: list[tuple[str, int]] = []
+
+    def decode(self, blob: bytes, *, key: str | None = None) -> KVCache:
+        self.calls.append(("decode", 1))
+        self._sleep(self.first_s)
+        return super().decode(blob, key=key)
+
+    def _into(self, blob: bytes, out: KVCache, key: str | None) -> None:
+        kv = ToyCodec.decode(self, blob, key=key)
+        if (kv.start, kv.end) != (out.start, out.end):
+            raise CorruptChunk(f"chunk holds [{kv.start}, {kv.end}), expected [{out.start}, {out.end})")
+        out.write(kv)
+
+    def decode_into(self, blob: bytes, out: KVCache, *, key: str | None = None) -> KVCache:
+        self.calls.append(("into", 1))
+        self._sleep(self.alone_s)
+        self._into(blob, out, key)
+        return out
+
+    def decode_many_into(self, blobs, out: KVCache, sizes, *, keys=None) -> KVCache:
+        self.calls.append(("many", len(blobs)))
+        self._sleep(self.share_s * len(blobs))
+        pos = out.start
+        for j, (blob, n) in enumerate(zip(blobs, sizes, strict=True)):
+            self._into(blob, out.slice(pos, pos + n), keys[j] if keys else None)
+            pos += n
+        return out

@@ -19,9 +19,13 @@ from cachegen.stream.costs import TEXT, CostModel, calibrate_decode
 from cachegen.stream.planner import (
     PipelineState,
     PlanChunk,
+    cheapest_tail,
+    choose_adaptive,
     choose_fastest,
+    decide,
     finish_quantile,
     simulate,
+    tail_at,
     useful_options,
 )
 from stream.fakes import ToyCodec
@@ -143,3 +147,82 @@ def test_the_replay_decodes_waiting_chunks_in_one_call_at_their_batched_cost():
     # 0.1 ms fetches: chunk 0 decodes alone (10 ms), the other seven wait: 7 x 10 ms alone, 7 x 2 ms batched
     assert load(alone) == pytest.approx(0.0801, abs=2e-3)
     assert load(COSTS) == pytest.approx(0.0241, abs=2e-3)
+
+
+# -- the choice of the chunk before, through every planning path ---------------------------------
+
+
+def test_the_tails_carry_the_choice_of_the_chunk_before():
+    cs = chunks(4)
+    # the head arrived at 1 ms and decodes until 11 ms: a tail of level 1 after level 1 waits, batched
+    assert tail_at(cs[1:], 1, 1.0, COSTS, 0.001, 0.011, None, 1) == pytest.approx(0.011 + 3 * 0.002)
+    assert tail_at(cs[1:], 1, 1.0, COSTS, 0.001, 0.011, None, 2) == pytest.approx(0.011 + 0.010 + 2 * 0.002)
+    _, cpu, picks = cheapest_tail(cs[1:], 1.0, COSTS, 0.001, 0.011, None, 1)
+    assert picks == [1, 1, 1] and cpu == pytest.approx(0.017)
+    assert cheapest_tail(cs[1:], 1.0, COSTS, 0.001, 0.011, None, 2)[1] == pytest.approx(0.025)
+    # chunks without the planned level take their fastest option, which carries on as ``prev`` too
+    only2 = [replace(c, sizes={2: 125_000}) for c in cs[1:3]]
+    two = replace(COSTS, decode_batched_s_per_mvalue={1: 0.002, 2: 0.003})
+    assert tail_at(only2, 1, 1.0, two, 0.001, 0.011, None, 2) == pytest.approx(0.011 + 2 * 0.003)
+    assert tail_at(only2, 1, 1.0, two, 0.001, 0.011, None, 1) == pytest.approx(0.011 + 0.010 + 0.003)
+
+
+def test_a_chunk_that_arrives_as_the_compute_stage_frees_decodes_alone():
+    # 4 GB at 8 Gbit/s: 4 s; 2 GB: 2 s; 2 s alone, 1 s batched: chunk 1 arrives at 6 s, when chunk 0 ends
+    costs = CostModel(
+        decode_s_per_mvalue={1: 0.0},
+        decode_fixed_s=2.0,
+        decode_batched_s_per_mvalue={1: 1.0},
+        fetch_latency_s=0.0,
+        recompute_fixed_s=100.0,
+        recompute_s_per_token=0.0,
+        recompute_s_per_token_ctx=0.0,
+    )
+    cs = [PlanChunk(0, 0, 8, 1_000_000, {1: 4_000_000_000}), PlanChunk(1, 8, 8, 1_000_000, {1: 2_000_000_000})]
+    assert simulate(cs, [1, 1], 8.0, costs) == 8.0
+    tail = np.array([[1.0 / 8e9]])
+    assert finish_quantile(cs, [1, 1], 1.0 / 8e9, tail, costs, PipelineState(1.0), 0.5) == 8.0
+
+
+def test_finish_quantile_joins_a_batch_only_behind_its_level():
+    cs = [*chunks(2), replace(chunks(3)[2], sizes={2: 125_000}), chunks(4)[3]]
+    plan = [1, 1, 2, 1]
+    futures = np.array([[1e-9] * 3])
+    st = PipelineState(1.0)
+    want = 0.011 + 0.002 + 0.010 + 0.010  # chunk 2 (level 2) and chunk 3 (after level 2) decode alone
+    assert finish_quantile(cs, plan, 1e-9, futures, COSTS, st, 0.5) == pytest.approx(want)
+    assert simulate(cs, plan, 1.0, COSTS) == pytest.approx(want)
+    # committed compute of level 1 before the head: it joins that batch
+    busy = PipelineState(1.0, cpu_busy_s=0.005, prev=1)
+    assert finish_quantile(cs[:1], [1], 1e-9, futures[:, :0], COSTS, busy, 0.5) == pytest.approx(0.007)
+
+
+def test_decide_plans_from_the_choice_of_the_chunk_before():
+    """One chunk left, compute busy for 5 ms behind a chunk of level 1: level 1 joins its batch
+    (1 + 2 ms: ends at 7 ms) where raw (level 0: 10 ms fetch, 1 ms decode) ends at 11 ms; after a
+    chunk of another level, level 1 decodes alone (5 + 12 = 17 ms) and raw wins."""
+    ch = [PlanChunk(0, 0, 256, 1_000_000, {0: 1_250_000, 1: 125_000})]
+    costs = replace(
+        COSTS,
+        decode_fixed_s=0.0,
+        decode_s_per_mvalue={0: 0.001, 1: 0.012},
+        decode_batched_s_per_mvalue={0: 0.001, 1: 0.002},
+    )
+    kw = dict(cpu_busy_s=0.005, est_gbps=1.0, last_gbps=1.0, tail_gbps=1.0, known=True)
+    assert decide("fastest", ch, costs, time_left_s=None, prev=1, **kw) == 1
+    assert decide("fastest", ch, costs, time_left_s=None, prev=0, **kw) == 0
+    assert decide("adaptive", ch, costs, time_left_s=0.008, prev=1, **kw) == 1  # only the batch fits
+    assert decide("adaptive", ch, costs, time_left_s=0.008, prev=0, **kw) == 0  # nothing fits: the soonest
+
+
+def test_the_adaptive_plan_prices_its_head_and_tails_with_the_chunk_before():
+    cs = chunks(4)
+    busy = PipelineState(0.015, cpu_busy_s=0.005, prev=1)
+    p = choose_adaptive(cs, 1.0, COSTS, busy)
+    # head: arrives at 1 ms, joins the busy batch: 7 ms; the three after it batched: 13 ms
+    assert (p.choice, p.finish_s, p.total_s, p.fits) == (1, pytest.approx(0.007), pytest.approx(0.013), True)
+    late = replace(busy, time_left_s=0.0)  # nothing fits: the soonest, with the same prices
+    p = choose_adaptive(cs, 1.0, COSTS, late)
+    assert (p.choice, p.total_s, p.fits) == (1, pytest.approx(0.013), False)
+    alone = choose_adaptive(cs, 1.0, COSTS, replace(busy, prev=2))
+    assert (alone.finish_s, alone.total_s, alone.fits) == (pytest.approx(0.015), pytest.approx(0.021), False)

@@ -391,19 +391,17 @@ class StreamingLoader:
     def decode_many_into(self, datas: Sequence[bytes], refs: Sequence[ChunkRef], slot: KVCache) -> None:
         """Decode consecutive chunks fetched for ``refs`` into ``slot``, their ranges of the load's
         cache, in one call of the codec's ``decode_many_into``
-        (:class:`~cachegen.codec.protocol.DecodesManyInto`), else one :meth:`decode_into` each.
-        A failure may leave ``slot`` partly written, and does not say which chunk failed: the
-        load decodes them one by one to find out."""
+        (:class:`~cachegen.codec.protocol.DecodesManyInto`; the load batches chunks only for such a
+        codec). A failure may leave ``slot`` partly written, and does not say which chunk failed:
+        the load decodes them one by one to find out."""
+        if not self.decodes_many:
+            raise LoaderError("the codec decodes one chunk at a time (no decode_many_into)")
         if not refs or slot.start != refs[0].start or slot.end != refs[-1].end:
             raise LoaderError(f"slot [{slot.start}, {slot.end}) is not the range of chunks {[r.index for r in refs]}")
         if any(b.start != a.end for a, b in pairwise(refs)):
             raise LoaderError(f"chunks {[r.index for r in refs]} are not consecutive")
-        if self.decodes_many:
-            sizes, keys = [r.end - r.start for r in refs], [r.key for r in refs]
-            self.codec.decode_many_into(datas, slot, sizes, keys=keys)  # type: ignore[attr-defined]  # checked in __init__
-            return
-        for data, ref in zip(datas, refs, strict=True):
-            self.decode_into(data, ref, slot.slice(ref.start, ref.end))
+        sizes, keys = [r.end - r.start for r in refs], [r.key for r in refs]
+        self.codec.decode_many_into(datas, slot, sizes, keys=keys)  # type: ignore[attr-defined]  # checked in __init__
 
     def recompute_after(self, prefix: KVCache | None, token_ids: list[int]) -> KVCache:
         """The KV of ``token_ids`` after ``prefix`` (from text)."""
