@@ -314,9 +314,7 @@ class Codec:
         ``out``'s dtype. The header is checked against ``out`` (range, layer kinds and sizes)
         before anything is decoded."""
         h = parse_header(data)
-        prof = self._checked_into(h, data, out, key)
-        for _ in self._decode_sections([_Part(data, h)], prof, list(out.layers)):
-            pass
+        self._decode_all([_Part(data, h)], self._checked_into(h, data, out, key), out)
         return out
 
     def decode_many_into(
@@ -344,13 +342,15 @@ class Codec:
         one = profs[0]
         if one is None or any(p is not one for p in profs) or any(p.h.dtype != parts[0].h.dtype for p in parts):
             for p, prof in zip(parts, profs, strict=True):  # lossless, inline profiles, mixed dtypes
-                dst = out.slice(p.h.start, p.h.start + p.h.num_tokens)
-                for _ in self._decode_sections([p], prof, list(dst.layers)):
-                    pass
+                self._decode_all([p], prof, out.slice(p.h.start, p.h.start + p.h.num_tokens))
             return out
-        for _ in self._decode_sections(parts, one, list(out.layers)):
-            pass
+        self._decode_all(parts, one, out)
         return out
+
+    def _decode_all(self, parts: list[_Part], prof: Profile | None, out: KVCache) -> None:
+        """Every section of ``parts`` into ``out``, which covers their tokens (headers checked)."""
+        for _ in self._decode_sections(parts, prof, list(out.layers)):
+            pass
 
     def _checked_into(self, h: ChunkHeader, data: bytes, out: KVCache, key: str | None) -> Profile | None:
         """The chunk's profile, once its header is checked against ``out`` (its range, layer kinds

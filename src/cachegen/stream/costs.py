@@ -198,10 +198,8 @@ def calibrate_decode(
     ``LoaderOptions.dtype``), the copy included. A codec that decodes several chunks in one call
     (:class:`~cachegen.codec.protocol.DecodesManyInto`) is also timed on ``batch`` copies of the
     sample at consecutive positions in one call, for the batched model (each chunk's share)."""
-    from cachegen.codec.protocol import (
-        DecodesManyInto,
-        decode_into,
-    )  # here: importing the stream package loads no codec
+    # here: importing the stream package loads no codec
+    from cachegen.codec.protocol import DecodesManyInto, decode_into
 
     cm = base or CostModel()
     mv = sample.num_values / 1e6
