@@ -28,6 +28,26 @@ def test_the_kernel_compiles_and_is_used_on_this_host():
     assert simd.available() or os.environ.get("CACHEGEN_RANS_SIMD") == "0"
 
 
+def test_the_kernel_compiles_under_numbas_compiler_lock(monkeypatch):
+    """llvmlite is not thread-safe and numba compiles (and loads its cache) through it under its
+    global lock: the first decode may compile the kernel in a pool thread while another thread's
+    first numba call compiles, so the kernel's compile takes that lock too."""
+    import llvmlite.binding as llvm
+    from numba.core.compiler_lock import global_compiler_lock
+
+    parse, held = llvm.parse_assembly, []
+
+    def watched(ir: str):
+        held.append(global_compiler_lock.is_locked())
+        return parse(ir)
+
+    monkeypatch.setattr(llvm, "parse_assembly", watched)
+    monkeypatch.setattr(simd, "_compiled", {})  # compile again (the module's kernels stay as they were)
+    assert sorted(simd._kernels()) == list(range(1, simd.GROUP + 1))
+    assert held == [True]
+    assert not global_compiler_lock.is_locked()
+
+
 @pytest.fixture
 def scalar(monkeypatch):
     """Within the test, decode_interleaved_many uses the numba kernels (a callable switches back)."""
@@ -110,10 +130,11 @@ def test_a_damaged_stream_is_refused_exactly_when_the_scalar_kernel_refuses_it(s
         b if k != hit else rans.Block(_damage(rng, b.words), b.n, b.table_index, b.row_shift)
         for k, (b, _) in enumerate(pairs)
     ]
-    streams = [
-        simd.prepare(np.asarray(b.words), *_split(b, tables), tables.precision, np.empty((b.n, 32), np.uint8))
-        for b in blocks
-    ]
+    # side by side in shared buffers, as decode_interleaved_many prepares them: a damaged stream's
+    # reads past its end stay in its own pad, never in the next stream's words
+    streams = simd.prepare_many(
+        [(np.asarray(b.words), *_split(b, tables), np.empty((b.n, 32), np.uint8)) for b in blocks], tables.precision
+    )
     verdicts = simd.decode_streams(streams, tables.packed, tables.precision)
     for b, s, v in zip(blocks, streams, verdicts, strict=True):
         ref = np.empty((b.n, 32), np.uint8)

@@ -331,10 +331,10 @@ class Codec:
         range of ``out``) before anything is decoded; when one fails mid-way, ``out`` may be
         partly written (the loader then decodes the chunks one by one)."""
         check_tiling(datas, out, sizes, keys)
-        parts, profs, pos = [], [], out.start
+        parts, profs, pos, layout = [], [], out.start, _layout(out)
         for j, (data, n) in enumerate(zip(datas, sizes, strict=True)):
             h = parse_header(data)
-            profs.append(self._checked_into(h, data, out.slice(pos, pos + n), keys[j] if keys else None))
+            profs.append(self._checked(h, data, pos, n, layout, keys[j] if keys else None))
             parts.append(_Part(data, h))
             pos += n
         if not parts:
@@ -355,12 +355,18 @@ class Codec:
     def _checked_into(self, h: ChunkHeader, data: bytes, out: KVCache, key: str | None) -> Profile | None:
         """The chunk's profile, once its header is checked against ``out`` (its range, layer kinds
         and sizes), ``key`` and this codec's bounds; CorruptChunk (KeyMismatch) when it does not fit."""
-        if h.start != out.start or h.num_tokens != out.num_tokens:
+        return self._checked(h, data, out.start, out.num_tokens, _layout(out), key)
+
+    def _checked(
+        self, h: ChunkHeader, data: bytes, start: int, n: int, layout: list[tuple], key: str | None
+    ) -> Profile | None:
+        """:meth:`_checked_into` against a range ``[start, start + n)`` of a cache of ``layout``
+        (:func:`_layout`), which a batch computes once for all its chunks."""
+        if h.start != start or h.num_tokens != n:
             raise CorruptChunk(
-                f"chunk holds tokens [{h.start}, {h.start + h.num_tokens}), expected [{out.start}, {out.end})"
+                f"chunk holds tokens [{h.start}, {h.start + h.num_tokens}), expected [{start}, {start + n})"
             )
-        want = [(l.kind, l.window, int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in out.layers]
-        if [(l.kind, l.window, l.heads, l.k_dim, l.v_dim) for l in h.layers] != want:
+        if [(l.kind, l.window, l.heads, l.k_dim, l.v_dim) for l in h.layers] != layout:
             raise CorruptChunk("chunk layout differs from the cache it is decoded into")
         check_key(h, key)
         self._check_bounds(h)
@@ -380,6 +386,11 @@ class Codec:
                 pool.shutdown(wait=False)
             except Exception:
                 pass
+
+
+def _layout(out: KVCache) -> list[tuple]:
+    """Per layer of ``out``: (kind, window, heads, key dim, value dim), as a chunk header lists them."""
+    return [(l.kind, l.window, int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in out.layers]
 
 
 def decode_jobs(sections: list, threads: int) -> list[list]:
@@ -586,26 +597,37 @@ def _finite(x: torch.Tensor, i: int) -> torch.Tensor:
 
 @dataclass
 class _LossySection:
-    """A lossy section of one chunk parsed up to its rANS stream: what :func:`_finish_lossy` needs
-    once its symbols are decoded (together with the other sections of its job)."""
+    """A lossy section of one chunk parsed up to its rANS streams: what :func:`_finish_lossy` needs
+    once its multipliers ``u`` and symbols are decoded (together with the other sections of its job).
+    ``uw``: the multiplier stream (None when the profile has no token importance or the section no
+    tokens), decoded into ``u`` by :func:`_decode_multipliers`."""
 
+    i: int
     h: ChunkHeader
     sink_raw: memoryview
-    u: np.ndarray
     esc: np.ndarray
     n_esc: int
-    block: rans.Block
+    words: np.ndarray
+    n: int
+    cls: np.ndarray
+    uw: np.ndarray | None
+    u: np.ndarray
+
+    @property
+    def block(self) -> rans.Block:
+        """The section's symbol stream, its rows' tables shifted by the multipliers."""
+        return rans.Block(self.words, self.n, self.cls + TABLE_PAD, -self.u)
 
 
 def _parse_lossy(mv: memoryview, h: ChunkHeader, i: int, prof: Profile, heads: int, d: int) -> _LossySection:
-    """Section ``i`` of a chunk up to its symbols; CorruptChunk when what it declares is inconsistent."""
+    """Section ``i`` of a chunk up to its streams; CorruptChunk when what it declares is inconsistent."""
     r = Reader(mv, f"section {i}")
     sp = prof.sections[i]
     lp = prof.levels[h.level]
     tables, cls = lp.padded_tables(), lp.classes(prof.sections)[i]
     sink = h.sink_tokens
     t, c = h.num_tokens - sink, heads * d
-    itemsize = torch.empty((), dtype=h.dtype).element_size()
+    itemsize = h.dtype.itemsize
     n_sink_bytes = r.u32()
     if n_sink_bytes != heads * sink * d * itemsize:
         raise CorruptChunk(f"section {i}: sink size mismatch")
@@ -616,26 +638,32 @@ def _parse_lossy(mv: memoryview, h: ChunkHeader, i: int, prof: Profile, heads: i
     esc_raw = r.take(4 * n_esc)  # present before anything is allocated for it
     esc = np.zeros(n_esc + 1, dtype=np.int32)
     esc[:n_esc] = np.frombuffer(esc_raw, dtype="<i4")
-    u = np.zeros(t, dtype=np.int64)
+    uw = None
     if sp.imp is not None and t:
-        u_tables = prof.u_tables()
         nu = r.u32()
         if 2 * nu > len(mv) - r.p:
             raise CorruptChunk(f"section {i}: multiplier stream longer than the section")
         uw = np.frombuffer(r.take(2 * nu), dtype="<u2")
-        rans.check_budget(t, 1, uw.size, u_tables, f"section {i} multipliers")
-        u = (
-            rans.decode_interleaved(uw, t, np.zeros(1, dtype=np.int64), u_tables)[:, 0].astype(np.int64)
-            + importance.U_MIN
-        )
-        if u.max() > importance.U_MAX:
-            raise CorruptChunk(f"section {i}: multiplier out of range")
+        rans.check_budget(t, 1, uw.size, prof.u_tables(), f"section {i} multipliers")
     wb = r.rest()
     if len(wb) % 2:
         raise CorruptChunk(f"section {i}: odd word payload")
     words = np.frombuffer(wb, dtype="<u2")
     rans.check_budget(t, c, words.size, tables, f"section {i}")
-    return _LossySection(h, sink_raw, u, esc, n_esc, rans.Block(words, t, cls + TABLE_PAD, -u))
+    return _LossySection(i, h, sink_raw, esc, n_esc, words, t, cls, uw, np.zeros(t, dtype=np.int64))
+
+
+def _decode_multipliers(parsed: list[_LossySection], prof: Profile) -> None:
+    """Every multiplier stream of ``parsed`` in one call (:func:`cachegen.codec.rans.decode_column_many`),
+    into each section's ``u``; CorruptChunk when a stream is inconsistent or a multiplier out of range."""
+    todo = [(s, s.uw) for s in parsed if s.uw is not None]
+    if not todo:
+        return
+    decoded = rans.decode_column_many([uw for _, uw in todo], [s.n for s, _ in todo], prof.u_tables())
+    for (s, _), sym in zip(todo, decoded, strict=True):
+        s.u = sym.astype(np.int64) + importance.U_MIN
+        if s.u.max() > importance.U_MAX:
+            raise CorruptChunk(f"section {s.i}: multiplier out of range")
 
 
 def _finish_lossy(
@@ -674,6 +702,7 @@ def _decode_lossy(parts: list[_Part], sections: list[tuple[int, torch.Tensor]], 
         ]
         for i, out in sections
     ]
+    _decode_multipliers([s for row in parsed for s in row], prof)
     syms: list[list[np.ndarray]] = [[np.empty(0)] * len(parts) for _ in sections]
     by_level: dict[int, list[int]] = {}
     for j, p in enumerate(parts):

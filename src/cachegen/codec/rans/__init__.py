@@ -28,7 +28,8 @@ token-major block as ONE word stream with :data:`LANES` shared states (column
 ``c`` on lane ``c % LANES``): the lossy codec's format, 64 bytes of state per
 section instead of 8 bytes per column. :func:`decode_interleaved_many` decodes
 several such :class:`Block` s at once; on AVX-512 hosts :mod:`.simd` steps up to
-four of them side by side in one pass.
+four of them side by side in one pass. :func:`decode_column_many` decodes many
+one-column streams (a lossy chunk's per-token multipliers) in one kernel call.
 
 Stream format: each stream is its final 32-bit state (two 16-bit words, high
 first) followed by its renormalisation words in decode order. :func:`encode`
@@ -52,6 +53,7 @@ from cachegen.codec.rans.columns import check_symbols, decode_columns, encode_co
 from cachegen.codec.rans.interleaved import (
     LANES,
     Block,
+    decode_column_many,
     decode_interleaved,
     decode_interleaved_many,
     encode_interleaved,
@@ -78,6 +80,7 @@ __all__ = [
     "check_budget",
     "check_symbols",
     "decode",
+    "decode_column_many",
     "decode_columns",
     "decode_interleaved",
     "decode_interleaved_many",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 from numba import njit
@@ -109,6 +110,31 @@ def _decode_il_kernel_generic(words, tab_idx, row_idx, freq, cum, lut, prec, out
     return bad
 
 
+@njit(nogil=True, cache=True, boundscheck=False)
+def _decode_column_kernel(words, starts, obeg, oend, freq, cum, lut, prec, out):
+    """Stream ``i`` (words ``starts[i]:starts[i+1]``, at least two) decodes one column of model 0
+    into ``out[obeg[i]:oend[i]]``: :func:`_decode_il_kernel_generic` with ``S = 1``, stream after
+    stream. Returns per stream 0 iff it ended cleanly."""
+    mask = (np.int64(1) << prec) - 1
+    bad = np.zeros(obeg.shape[0], dtype=np.int64)
+    for i in range(obeg.shape[0]):
+        a, last = starts[i], starts[i + 1] - 1
+        x = (np.int64(words[a]) << 16) | np.int64(words[a + 1])
+        p = a + 2
+        for t in range(obeg[i], oend[i]):
+            slot = x & mask
+            y = lut[0, slot]
+            yi = np.int64(y)
+            x = freq[0, yi] * (x >> prec) + slot - cum[0, yi]
+            flag = np.int64(x < 65536)
+            w = np.int64(words[min(p, last)])
+            x = (x << (flag << 4)) | (w & (-flag))
+            p += flag
+            out[t] = y
+        bad[i] = np.int64(p != last + 1) + np.int64(x != 65536)
+    return bad
+
+
 def _table_indexes(
     n: int, S: int, table_index: np.ndarray, row_shift: np.ndarray | None, n_tables: int, err: type
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -153,6 +179,40 @@ def encode_interleaved(
     if bad:
         raise CodecError("a symbol has probability 0 in its model")
     return out[p:]
+
+
+def decode_column_many(streams: Sequence[np.ndarray], counts: Sequence[int], tables: Tables) -> list[np.ndarray]:
+    """:func:`decode_interleaved` of one-column blocks (``counts[i]`` symbols of model 0 from
+    ``streams[i]``), each as a 1-D array, in one kernel call.
+
+    Why: a lossy chunk carries one such stream per section (its tokens' step multipliers), and
+    sixteen chunks decoded together hold 960 of them; one call per stream spent more time in
+    Python than in the coder. CorruptChunk names the first stream that is inconsistent."""
+    if len(streams) != len(counts):
+        raise CodecError("need one symbol count per stream")
+    arrays = [np.asarray(w, dtype=np.uint16) for w in streams]
+    sizes = np.array([w.size for w in arrays], dtype=np.int64)
+    ns = np.array(counts, dtype=np.int64).reshape(len(arrays))
+    if ns.size and int(ns.min()) < 0:
+        raise CodecError("negative symbol count")
+    if np.any((ns == 0) & (sizes > 0)):
+        raise CorruptChunk("empty block with a non-empty rANS stream")
+    if np.any((ns > 0) & (sizes < 2)):
+        raise CorruptChunk("rANS stream shorter than its states")
+    offs = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(ns, out=offs[1:])
+    out = np.empty(int(offs[-1]), dtype=tables.symbol_dtype)
+    kept = np.flatnonzero(ns > 0)  # an empty block has no words and decodes to nothing
+    if kept.size:
+        starts = np.zeros(kept.size + 1, dtype=np.int64)
+        np.cumsum(sizes[kept], out=starts[1:])
+        words = np.concatenate([arrays[i] for i in kept.tolist()])
+        bad = _decode_column_kernel(
+            words, starts, offs[kept], offs[kept + 1], tables.freq, tables.cum, tables.lut, tables.precision, out
+        )
+        if bad.any():
+            raise CorruptChunk(f"rANS stream {int(kept[int(np.argmax(bad > 0))])} did not end in the initial state")
+    return [out[a:b] for a, b in pairwise(offs.tolist())]
 
 
 @dataclass(frozen=True)
@@ -205,12 +265,12 @@ def decode_interleaved_many(blocks: Sequence[Block], tables: Tables) -> list[np.
             raise CodecError("output buffer must be C-contiguous")
         jobs.append((words, cols, rows, out))
     fast = simd.available() and tables.packed is not None
-    streams, bad = [], 0
+    vector, bad = [], 0
     for words, cols, rows, out in jobs:
         if out.size == 0:
             continue
         if fast and out.shape[1] % LANES == 0:
-            streams.append(simd.prepare(words, cols, rows, tables.precision, out))
+            vector.append((words, cols, rows, out))
         elif tables.packed is not None:
             padded = np.zeros(words.size + out.shape[1] + 1, dtype=np.uint16)
             padded[: words.size] = words
@@ -220,8 +280,9 @@ def decode_interleaved_many(blocks: Sequence[Block], tables: Tables) -> list[np.
             bad += _decode_il_kernel_generic(
                 words, cols, rows, tables.freq, tables.cum, tables.lut, tables.precision, out
             )
-    if streams:
+    if vector:
         assert tables.packed is not None
+        streams = simd.prepare_many(vector, tables.precision)
         bad += sum(simd.decode_streams(streams, tables.packed, tables.precision))
     if bad:
         raise CorruptChunk("rANS stream did not end in the initial state")
