@@ -148,6 +148,7 @@ MODULES: tuple[Module, ...] = (
             "tests/codec/test_rans.py",
             "tests/codec/test_rans_oracles.py",
             "tests/codec/test_rans_simd.py",
+            "tests/codec/test_rans_column_many.py",
             "-k",
             "not generated_lanes_module_is_current and not generator_check_mode",
             *_FAST,
@@ -278,19 +279,24 @@ _CODEC_EQUIVALENT = {
     "xǁCodecǁencode__mutmut_157": "pack_header ignores payload_offset (parse_header computes it)",
     "xǁCodecǁencode__mutmut_177": "pack_header ignores payload_offset (parse_header computes it)",
     # the lossy decode, split into parsing, rANS and values for decoding several chunks in one call
-    "x__parse_lossy__mutmut_37": _EXACT + " (the escapes are int32)",
-    "x__parse_lossy__mutmut_39": _EXACT + " (the escapes are int32)",
-    "x__parse_lossy__mutmut_41": "a pad of two instead of one: dequantize reads at most esc[n_esc]",
-    "x__parse_lossy__mutmut_51": "float64 zeros: row_scale casts u to float64, decode_interleaved row shifts to int64",
-    "x__parse_lossy__mutmut_53": "float64 zeros: row_scale casts u to float64, decode_interleaved row shifts to int64",
-    "x__parse_lossy__mutmut_86": "float64 u: the range check compares values, row_scale casts to float64, row shifts to int64",
-    "x__parse_lossy__mutmut_96": _I64,
-    "x__parse_lossy__mutmut_98": _I64,
-    "x__parse_lossy__mutmut_102": "unreachable: a u table has N_U = U_MAX - U_MIN + 1 symbols (checked by Profile.from_bytes), so u <= U_MAX",
-    "x__decode_lossy__mutmut_28": "the placeholder arrays are all replaced by decoded symbols before they are read",
-    "x__decode_lossy__mutmut_45": _ZIP,
-    "x__decode_lossy__mutmut_48": _ZIP,
+    "x__parse_lossy__mutmut_33": _EXACT + " (the escapes are int32)",
+    "x__parse_lossy__mutmut_35": _EXACT + " (the escapes are int32)",
+    "x__parse_lossy__mutmut_37": "a pad of two instead of one: dequantize reads at most esc[n_esc]",
+    "x__parse_lossy__mutmut_96": "the section's index is read only by the multiplier range error, which cannot be raised"
+    " (_decode_multipliers 22)",
+    "x__parse_lossy__mutmut_117": "float64 zeros: row_scale casts u to float64, decode_interleaved row shifts to int64",
+    "x__parse_lossy__mutmut_119": "float64 zeros: row_scale casts u to float64, decode_interleaved row shifts to int64",
+    "x__decode_multipliers__mutmut_13": _ZIP,
+    "x__decode_multipliers__mutmut_16": _ZIP,
+    "x__decode_multipliers__mutmut_17": _ZIP,
+    "x__decode_multipliers__mutmut_20": "float64 u: the range check compares values, row_scale casts to float64, row shifts"
+    " to int64",
+    "x__decode_multipliers__mutmut_22": "unreachable: a u table has N_U = U_MAX - U_MIN + 1 symbols (checked by"
+    " Profile.from_bytes), so u <= U_MAX",
+    "x__decode_lossy__mutmut_32": "the placeholder arrays are all replaced by decoded symbols before they are read",
     "x__decode_lossy__mutmut_49": _ZIP,
+    "x__decode_lossy__mutmut_52": _ZIP,
+    "x__decode_lossy__mutmut_53": _ZIP,
     "x__finish_lossy__mutmut_20": _ZIP,
     "x__finish_lossy__mutmut_23": _ZIP,
     "x__finish_lossy__mutmut_24": _ZIP,
@@ -310,11 +316,10 @@ _CODEC_EQUIVALENT = {
     "xǁCodecǁ_split__mutmut_1": _JOBS,
     "xǁCodecǁ_split__mutmut_2": _JOBS,
     "xǁCodecǁ_split__mutmut_4": _JOBS + " (decode_jobs reads threads only where the AVX-512 decoder runs)",
-    "xǁCodecǁdecode_many_into__mutmut_13": _ZIP,
-    "xǁCodecǁdecode_many_into__mutmut_16": _ZIP,
+    "xǁCodecǁdecode_many_into__mutmut_14": _ZIP,
     "xǁCodecǁdecode_many_into__mutmut_17": _ZIP,
+    "xǁCodecǁdecode_many_into__mutmut_18": _ZIP,
     "xǁCodecǁdecode_many_into__mutmut_44": _ONE_BY_ONE,
-    "xǁCodecǁdecode_many_into__mutmut_48": _ONE_BY_ONE,
     "xǁCodecǁdecode_many_into__mutmut_50": _ONE_BY_ONE,
     "xǁCodecǁdecode_many_into__mutmut_52": _ONE_BY_ONE,
     "xǁCodecǁdecode_many_into__mutmut_56": _ZIP,
@@ -350,6 +355,11 @@ _KIDX = (
     "the kernels copy table indexes into int64 arrays (tb[j] = tab_idx[...]): indexes of integer value select the"
     " same models whatever their dtype"
 )
+_INTS = "np.array of Python ints is int64 here"
+_NEG = "every verdict count is >= 0: the negated sum is nonzero exactly when the sum is"
+_NO_SIMD = "the AVX-512 kernel never used: the numba kernels give the same symbols and verdicts, only slower"
+_LABEL = "a label's name is read only by the branch just before its definition: any distinct name is the same IR"
+
 _RANS_EQUIVALENT = {
     "blob.x_decode__mutmut_14": "unpack_from's offset defaults to 0",
     "blob.x_decode__mutmut_35": _IDX,
@@ -368,6 +378,44 @@ _RANS_EQUIVALENT = {
     " and the kernel reads them through np.int64(...)",
     "columns.x_encode_columns__mutmut_38": "a float64 scratch holds the 16-bit words exactly; _gather_kernel copies them into uint16 words",
     "columns.x_encode_columns__mutmut_40": "a float64 scratch holds the 16-bit words exactly; _gather_kernel copies them into uint16 words",
+    # 2026-12-06: decode_column_many, prepare_many, and simd.py's first triage (it came after the row's last run)
+    **{f"interleaved.x_decode_column_many__mutmut_{i}": _INTS for i in (12, 14, 17, 19)},
+    **{
+        f"interleaved.x_decode_column_many__mutmut_{i}": "the streams as given (uint16 everywhere): the kernel reads"
+        " the same values from any integer words"
+        for i in (7, 9)
+    },
+    **{f"interleaved.x_decode_interleaved_many__mutmut_{i}": _NEG for i in (86, 107, 131)},
+    **{f"interleaved.x_decode_interleaved_many__mutmut_{i}": _NO_SIMD for i in (60, 69)},
+    "interleaved.x_decode_interleaved_many__mutmut_80": "pad words are read only by a stream already past its last"
+    " word, which decode_lanes refuses whatever they hold",
+    "interleaved.x_decode_interleaved_many__mutmut_83": "one pad word more than decode_lanes can read",
+    **{f"simd.x__function__mutmut_{i}": _LABEL for i in (61, 62, 105, 106, 107, 108, 110, 111, 112)},
+    "simd.x__kernels__mutmut_6": "the host's features are given explicitly: the CPU name only repeats them",
+    "simd.x__kernels__mutmut_7": "the host's CPU name implies its features",
+    "simd.x__kernels__mutmut_8": "opt=2 instead of 3: the same code for this IR, or slower, never other results",
+    "simd.x__kernels__mutmut_30": "without the declared int32, ctypes passes the Python int prec as a C int: the same"
+    " 32-bit register on x86-64",
+    **{
+        f"simd.x_decode_streams__mutmut_{i}": "a stream that ended cleanly decoded again alone: the same symbols and 0"
+        for i in (29, 30)
+    },
+    "simd.x_decode_streams__mutmut_21": "any negative start: the kernel writes 0 or a count, and < 0 still means not"
+    " reached",
+    **{f"simd.x_decode_streams__mutmut_{i}": "Tables.packed is int32 and C-contiguous already" for i in (4, 6)},
+    **{f"simd.x_host_supported__mutmut_{i}": "None is false like False" for i in (5, 7)},
+    **{f"simd.x_prepare_many__mutmut_{i}": _INTS for i in (5, 7, 10, 12, 16, 18)},
+    "simd.x_prepare_many__mutmut_132": "n * S is a multiple of 16: the float quotient is exact and cast back into int64",
+    **{
+        f"simd.x_prepare_many__mutmut_{i}": "decode_streams sets the result slot to -1 before each pass"
+        for i in (139, 140)
+    },
+    **{
+        f"simd.x_prepare_many__mutmut_{i}": "a Stream's arrays only keep the shared buffers alive: the kernel reads"
+        " the argument table"
+        for i in (152, 154, 156)
+    },
+    "simd.x_prepare_many__mutmut_90": "None stored in a bool array is False",
     "interleaved.x_decode_interleaved__mutmut_55": "pad words are read only by a stream already past its last word, which"
     " decode_lanes refuses whatever they hold (S - 1 pad words: the last such read is one word out of the buffer)",
     "interleaved.x_decode_interleaved__mutmut_57": "one pad word more than decode_lanes can read",

@@ -138,6 +138,20 @@ def test_lossless_and_mixed_dtype_runs_decode_chunk_by_chunk(profile):
     _same(out.slice(0, 6), whole.slice(0, 6))  # lossless is exact
 
 
+def test_a_run_of_lossless_chunks_decodes_chunk_by_chunk(profile):
+    """Lossless chunks only (no profile to share): each decodes on its own, exactly."""
+    codec = Codec(profile, threads=2)
+    sizes = [5, 8, 7]
+    whole = _kv(4, sum(sizes)).to(torch.bfloat16)
+    blobs, pos = [], 0
+    for n in sizes:
+        blobs.append(codec.encode(whole.slice(pos, pos + n), LOSSLESS))
+        pos += n
+    out = _filled(whole, whole.num_tokens)
+    codec.decode_many_into(blobs, out, sizes)
+    _same(out, whole)
+
+
 def test_every_chunk_is_checked_before_anything_is_written(profile):
     codec = Codec(profile, threads=2)
     sizes = [10, 12, 8]

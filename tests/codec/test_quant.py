@@ -169,3 +169,31 @@ def test_escape_floor_is_exact_on_a_rounding_edge():
             counts = np.zeros((quant.N_CLASSES, quant.ALPHABET))
             counts[k] = row(x)
             assert np.array_equal(quant.tables_from_counts(counts, 12)[k], _table_row(row(x), k)), x
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((4, 3), (3,), (4,), (3, 3)),  # out a row short: the last row would be written past it
+        ((4, 3), (3,), (4,), (4, 2)),
+        ((4, 3), (2,), (4,), (4, 3)),  # a step per column missing
+        ((4, 3), (3,), (3,), (4, 3)),  # a row multiplier missing
+    ],
+)
+def test_dequantize_refuses_arrays_that_disagree_instead_of_writing_past_them(shapes):
+    """The kernel runs without bounds checks: a caller's wrong slice must be an error, never a
+    write outside ``out`` (which corrupts the heap and crashes later, somewhere else)."""
+    sym_s, step_s, rm_s, out_s = shapes
+    sym = np.full(sym_s, quant.CENTER, np.uint8)  # every value 0
+    with pytest.raises(ValueError, match="disagree on their shapes"):
+        quant.dequantize(
+            sym,
+            np.ones(step_s, np.float32),
+            np.ones(rm_s, np.float32),
+            np.zeros(1, np.int32),
+            0,
+            np.empty(out_s, np.float32),
+        )
+    out = np.empty((4, 3), np.float32)
+    assert quant.dequantize(sym, np.ones(3, np.float32), np.ones(4, np.float32), np.zeros(1, np.int32), 0, out) == 0
+    assert not out.any()

@@ -85,12 +85,16 @@ def test_inconsistent_sizes_are_refused_before_anything_is_decoded():
     rng = np.random.default_rng(4)
     tables = _tables(rng, 5, 12)
     words, _ = _streams(rng, tables, [10, 10])
-    with pytest.raises(CorruptChunk, match="empty block with a non-empty rANS stream"):
+    with pytest.raises(CorruptChunk, match=r"^corrupt chunk: empty block with a non-empty rANS stream$"):
         rans.decode_column_many(words, [10, 0], tables)
-    with pytest.raises(CorruptChunk, match="rANS stream shorter than its states"):
+    with pytest.raises(CorruptChunk, match=r"^corrupt chunk: empty block with a non-empty rANS stream$"):
+        rans.decode_column_many([words[0][:1]], [0], tables)  # one word is not empty either
+    with pytest.raises(CorruptChunk, match=r"^corrupt chunk: rANS stream shorter than its states$"):
         rans.decode_column_many([words[0], words[1][:1]], [10, 10], tables)
-    with pytest.raises(CodecError, match="one symbol count per stream"):
+    with pytest.raises(CorruptChunk, match=r"^corrupt chunk: rANS stream shorter than its states$"):
+        rans.decode_column_many([words[0][:1]], [1], tables)  # a state is two words, whatever the count
+    with pytest.raises(CodecError, match=r"^need one symbol count per stream$"):
         rans.decode_column_many(words, [10], tables)
-    with pytest.raises(CodecError, match="negative symbol count"):
+    with pytest.raises(CodecError, match=r"^negative symbol count$"):
         rans.decode_column_many(words, [10, -1], tables)
     assert rans.decode_column_many([], [], tables) == []

@@ -46,6 +46,39 @@ def test_the_kernel_compiles_under_numbas_compiler_lock(monkeypatch):
     assert sorted(simd._kernels()) == list(range(1, simd.GROUP + 1))
     assert held == [True]
     assert not global_compiler_lock.is_locked()
+    # the new kernels decode as the numba kernel does, in passes of every size, a damaged stream among
+    # them (which ends its pass early and sends the others through alone). Why here: a process that
+    # forks after its first decode (mutmut's test runs) never compiles again, so only this test runs
+    # the generated IR and its compilation in a fresh state.
+    rng = np.random.default_rng(11)
+    tables = _tables(rng, 7, 40)
+    pairs = [_block(rng, tables, int(rng.integers(1, 20)), 32) for _ in range(2 * simd.GROUP + 1)]
+    blocks = [b for b, _ in pairs]
+    blocks[1] = rans.Block(blocks[1].words[:40], blocks[1].n, blocks[1].table_index, blocks[1].row_shift)
+    streams = simd.prepare_many(
+        [(np.asarray(b.words), *_split(b, tables), np.empty((b.n, 32), np.uint8)) for b in blocks], tables.precision
+    )
+    verdicts = simd.decode_streams(streams, tables.packed, tables.precision)
+    assert verdicts[1] != 0 and verdicts[:1] + verdicts[2:] == [0] * (len(blocks) - 1)
+    for k, (s, (_, sym)) in enumerate(zip(streams, pairs, strict=True)):
+        if k != 1:
+            assert np.array_equal(s.out, sym)
+
+
+def test_host_support_is_read_from_llvm_and_a_missing_feature_or_api_means_unsupported(monkeypatch):
+    import llvmlite.binding as llvm
+
+    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: {f: True for f in simd._NEEDS})
+    assert simd.host_supported()
+    for missing in simd._NEEDS:
+        monkeypatch.setattr(llvm, "get_host_cpu_features", lambda m=missing: {f: True for f in simd._NEEDS if f != m})
+        assert not simd.host_supported()
+
+    def no_api():
+        raise AttributeError("an llvmlite without get_host_cpu_features")
+
+    monkeypatch.setattr(llvm, "get_host_cpu_features", no_api)
+    assert not simd.host_supported()
 
 
 @pytest.fixture
@@ -190,6 +223,27 @@ def _split(b: rans.Block, tables: rans.Tables) -> tuple[np.ndarray, np.ndarray]:
     return interleaved._table_indexes(
         b.n, len(b.table_index), b.table_index, b.row_shift, tables.n_tables, CorruptChunk
     )
+
+
+@pytest.mark.parametrize(
+    "bad_width, good_widths, prec",
+    [
+        (20, [20, 32], 12),  # the numba lanes kernel fails first, then another lanes block and an AVX-512 one
+        (32, [20], 12),  # the AVX-512 kernel's failure, with a lanes block in the same call
+        (20, [20], 14),  # tables the lanes kernel cannot take: the generic numba kernel
+    ],
+)
+def test_a_failure_in_any_kernel_refuses_the_whole_call_whatever_decodes_after_it(bad_width, good_widths, prec):
+    """A call counts every block's verdict: a failed block followed by blocks that decode cleanly
+    (by the same kernel or another) still refuses the call."""
+    rng = np.random.default_rng(bad_width + prec)
+    tables = _tables(rng, 7, 30, prec)
+    bad, _ = _block(rng, tables, 12, bad_width)
+    bad = rans.Block(np.append(bad.words, np.uint16(7)), bad.n, bad.table_index, bad.row_shift)
+    good = [_block(rng, tables, 12, w)[0] for w in good_widths]
+    with pytest.raises(CorruptChunk, match="rANS stream did not end in the initial state"):
+        rans.decode_interleaved_many([bad, *good], tables)
+    rans.decode_interleaved_many(good, tables)  # the others alone are fine
 
 
 def test_one_refused_block_refuses_the_call_and_the_others_still_decode_alone(scalar):

@@ -70,6 +70,8 @@ def dequantize(sym, step, row_mult, esc, n_esc, out):
     row that holds an escape, which is rare, is scanned again for them in order."""
     T = sym.shape[0]
     C = sym.shape[1]
+    if out.shape[0] != T or out.shape[1] != C or row_mult.shape[0] != T or step.shape[0] != C:
+        raise ValueError("dequantize: sym, out, row_mult and step disagree on their shapes")  # no write out of bounds
     e = 0
     for t in range(T):
         srow = sym[t]

@@ -192,7 +192,7 @@ def decode_column_many(streams: Sequence[np.ndarray], counts: Sequence[int], tab
         raise CodecError("need one symbol count per stream")
     arrays = [np.asarray(w, dtype=np.uint16) for w in streams]
     sizes = np.array([w.size for w in arrays], dtype=np.int64)
-    ns = np.array(counts, dtype=np.int64).reshape(len(arrays))
+    ns = np.array(counts, dtype=np.int64)
     if ns.size and int(ns.min()) < 0:
         raise CodecError("negative symbol count")
     if np.any((ns == 0) & (sizes > 0)):
