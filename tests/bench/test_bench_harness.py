@@ -167,6 +167,17 @@ def test_ttft_counts_the_link(tmp_path, tiny_lm):
     assert slow["fp16"]["ttft_s"] > slow["kivi2"]["ttft_s"]  # 5x fewer bytes
     # decoded caches give the same first token as the uncompressed path for fp16
     assert slow["fp16"]["first_token"] == slow["recompute"]["first_token"]
+    # per chunk of the reported run: fetched, then decoded, in order, the bytes adding up to the row's
+    for r in rows:
+        if r["method"] == "recompute":
+            assert "chunks" not in r
+            continue
+        ch = r["chunks"]
+        assert [c["index"] for c in ch] == list(range(128 // 32))
+        assert sum(c["bytes"] for c in ch) == r["size_bytes"]
+        for c in ch:
+            assert 0 <= c["fetch_start"] <= c["fetch_end"] <= c["decode_start"] <= c["decode_end"] <= r["load_s"]
+        assert max(c["fetch_end"] for c in ch) == r["fetch_s"]
     ttft_plot(res, tmp_path / "t.png")
     json.dumps(res)
 

@@ -138,6 +138,7 @@ def _time_load(model, loader: StreamingLoader, ctx: Sequence[int], tail: Sequenc
     tok = _first_token(model, cache, tail)
     t3 = time.perf_counter()
     fetched = max(d.fetch_end or 0.0 for d in res.decisions)  # when the last chunk had crossed the link
+    chunks = [_chunk_times(d) for d in res.decisions]
     return {
         "ttft_s": t3 - t0,
         "fetch_s": fetched,
@@ -148,7 +149,16 @@ def _time_load(model, loader: StreamingLoader, ctx: Sequence[int], tail: Sequenc
         "inject_s": t2 - t1,
         "first_step_s": t3 - t2,
         "first_token": tok,
+        "chunks": chunks,
     }, res
+
+
+def _chunk_times(d) -> dict:
+    """One chunk of a load as a row's ``chunks`` lists it: its index, its choice (a level or rung
+    index, or ``"text"``), bytes, and when (seconds from the load's start) it was fetched and decoded
+    (a chunk decoded in a batch has the batch's span and its share of the batch's time as ``decode_s``)."""
+    keep = ("index", "choice", "bytes", "fetch_start", "fetch_end", "decode_start", "decode_end", "decode_s")
+    return {k: getattr(d, k) for k in keep}
 
 
 def time_kv_method(
@@ -263,7 +273,8 @@ def run_ttft(
     its cost model measured before the clock runs and corrected by the decode times of its
     earlier loads, one untimed load per bandwidth first so that its estimator knows the link
     and its rates this machine; its rows add ``formats``, the rungs it chose, and
-    ``size_bytes`` is what it fetched).
+    ``size_bytes`` is what it fetched). Every row that loads a cache adds ``chunks``: per chunk of
+    the reported run, its choice and when it was fetched and decoded (:func:`_chunk_times`).
     """
     if not bandwidths_gbps or any(b <= 0 for b in bandwidths_gbps):
         raise ConfigError("bandwidths must be positive")
@@ -298,7 +309,7 @@ def run_ttft(
                     r = min(mruns, key=lambda r: r["ttft_s"])
                     row = {"method": m.method, "level": m.level, "bandwidth_gbps": gbps, "ttft_s": r["ttft_s"]}
                     row["size_bytes"] = r.get("fetched_bytes", m.size)
-                    row.update({k: r[k] for k in (*BREAKDOWN, "formats") if k in r})
+                    row.update({k: r[k] for k in (*BREAKDOWN, "formats", "chunks") if k in r})
                     rows.append(row)
                     log.info("%g Gbit/s %-22s TTFT %.3fs", gbps, m.label, r["ttft_s"])
         finally:
