@@ -385,6 +385,11 @@ _RANS_EQUIVALENT = {
         " the same values from any integer words"
         for i in (7, 9)
     },
+    **{
+        f"interleaved.x_decode_column_many__mutmut_{i}": "float64 offsets hold the word positions exactly, and"
+        " the kernel's slices take them as integers"
+        for i in (74, 76)
+    },
     **{f"interleaved.x_decode_interleaved_many__mutmut_{i}": _NEG for i in (86, 107, 131)},
     **{f"interleaved.x_decode_interleaved_many__mutmut_{i}": _NO_SIMD for i in (60, 69)},
     "interleaved.x_decode_interleaved_many__mutmut_80": "pad words are read only by a stream already past its last"

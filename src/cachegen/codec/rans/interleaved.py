@@ -112,26 +112,17 @@ def _decode_il_kernel_generic(words, tab_idx, row_idx, freq, cum, lut, prec, out
 
 @njit(nogil=True, cache=True, boundscheck=False)
 def _decode_column_kernel(words, starts, obeg, oend, freq, cum, lut, prec, out):
-    """Stream ``i`` (words ``starts[i]:starts[i+1]``, at least two) decodes one column of model 0
-    into ``out[obeg[i]:oend[i]]``: :func:`_decode_il_kernel_generic` with ``S = 1``, stream after
-    stream. Returns per stream 0 iff it ended cleanly."""
-    mask = (np.int64(1) << prec) - 1
+    """:func:`_decode_il_kernel_generic` of one-column streams of model 0, one after another: stream
+    ``i`` (words ``starts[i]:starts[i+1]``, at least two) into ``out[obeg[i]:oend[i]]`` (``out`` is
+    ``(N, 1)``). Returns per stream 0 iff it ended cleanly."""
+    tab = np.zeros(1, dtype=np.int64)
+    rows = np.zeros(out.shape[0], dtype=np.int64)
     bad = np.zeros(obeg.shape[0], dtype=np.int64)
     for i in range(obeg.shape[0]):
-        a, last = starts[i], starts[i + 1] - 1
-        x = (np.int64(words[a]) << 16) | np.int64(words[a + 1])
-        p = a + 2
-        for t in range(obeg[i], oend[i]):
-            slot = x & mask
-            y = lut[0, slot]
-            yi = np.int64(y)
-            x = freq[0, yi] * (x >> prec) + slot - cum[0, yi]
-            flag = np.int64(x < 65536)
-            w = np.int64(words[min(p, last)])
-            x = (x << (flag << 4)) | (w & (-flag))
-            p += flag
-            out[t] = y
-        bad[i] = np.int64(p != last + 1) + np.int64(x != 65536)
+        o, e = obeg[i], oend[i]
+        bad[i] = _decode_il_kernel_generic(
+            words[starts[i] : starts[i + 1]], tab, rows[: e - o], freq, cum, lut, prec, out[o:e]
+        )
     return bad
 
 
@@ -201,7 +192,7 @@ def decode_column_many(streams: Sequence[np.ndarray], counts: Sequence[int], tab
         raise CorruptChunk("rANS stream shorter than its states")
     offs = np.zeros(len(arrays) + 1, dtype=np.int64)
     np.cumsum(ns, out=offs[1:])
-    out = np.empty(int(offs[-1]), dtype=tables.symbol_dtype)
+    out = np.empty((int(offs[-1]), 1), dtype=tables.symbol_dtype)
     kept = np.flatnonzero(ns > 0)  # an empty block has no words and decodes to nothing
     if kept.size:
         starts = np.zeros(kept.size + 1, dtype=np.int64)
@@ -212,7 +203,7 @@ def decode_column_many(streams: Sequence[np.ndarray], counts: Sequence[int], tab
         )
         if bad.any():
             raise CorruptChunk(f"rANS stream {int(kept[int(np.argmax(bad > 0))])} did not end in the initial state")
-    return [out[a:b] for a, b in pairwise(offs.tolist())]
+    return [out[a:b, 0] for a, b in pairwise(offs.tolist())]
 
 
 @dataclass(frozen=True)
