@@ -15,15 +15,19 @@ import argparse
 import cProfile
 import pstats
 
+from cachegen.codec import LEVELS
+
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--level", type=int, default=6)
+    ap.add_argument("--level", type=int, default=6, choices=LEVELS, help="a lossy level (default 6)")
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--context-tokens", type=int, default=4096)
     ap.add_argument("--top", type=int, default=20, help="rows of each profile (default 20)")
     a = ap.parse_args(argv)
+    if a.chunk_tokens < 1 or a.context_tokens < a.chunk_tokens:
+        ap.error("need 1 <= --chunk-tokens <= --context-tokens")
 
     from cachegen.bench.codec_bench import _text_ids
     from cachegen.calibrate import context_kv, load_or_calibrate
