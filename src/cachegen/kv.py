@@ -52,7 +52,8 @@ class KVLayer:
         return int(self.k.shape[1])
 
     def slice(self, a: int, b: int) -> KVLayer:
-        return replace(self, k=self.k[:, a:b], v=self.v[:, a:b])
+        # not dataclasses.replace: a loader slices every layer for every chunk it places
+        return KVLayer(self.k[:, a:b], self.v[:, a:b], self.kind, self.window)
 
 
 @dataclass

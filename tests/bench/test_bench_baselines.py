@@ -258,3 +258,97 @@ def test_pack_bits_roundtrip(bits, n, seed):
     b = B.pack_bits(q, bits)
     assert len(b) == B.packed_len(n, bits)
     assert np.array_equal(B.unpack_bits(b, bits, n), q)
+
+
+INTO = ["fp16", "bf16", "uniform8", "uniform4", "uniform2"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", INTO)
+def test_decode_into_gives_decode_then_write_bit_for_bit(name, dtype):
+    """The raw and uniform codecs write into a preallocated cache (the loader's fixed 8-bit method
+    and the adaptive ladder's raw rungs): the same values, in every dtype, as decoding and copying."""
+    from cachegen.codec.protocol import DecodesInto
+
+    codec = B.baseline(name)
+    assert isinstance(codec, DecodesInto)
+    kv = _kv(layers=2, heads=3, tokens=96, start=0, sliding=True)
+    chunk = kv.slice(32, 64)
+    data = codec.encode(chunk, 0, key="k" * 8)
+    want = KVCache.allocate(kv, 96, dtype=dtype)
+    got = KVCache.allocate(kv, 96, dtype=dtype)
+    for c in (want, got):
+        for l in c.layers:
+            l.k.fill_(7.0)
+            l.v.fill_(7.0)
+    want.write(codec.decode(data, key="k" * 8))  # the part's range only: [32, 64) relative to start 0
+    assert codec.decode_into(data, got.slice(32, 64), key="k" * 8).start == 32
+    for a, b in zip(want.layers, got.layers):
+        assert (
+            torch.equal(a.k.view(torch.int16), b.k.view(torch.int16))
+            if dtype != torch.float32
+            else torch.equal(a.k, b.k)
+        )
+        assert torch.equal(a.v.float(), b.v.float())
+        assert float(b.k[:, :32].float().sub(7).abs().max()) == 0 and float(b.v[:, 64:].float().sub(7).abs().max()) == 0
+
+
+def test_uniform_bf16_rounding_is_torchs_on_ties():
+    """bfloat16 rounds to nearest even, as torch's cast: values half-way between two bfloat16s."""
+    codec = B.UniformCodec(8)
+    heads, tokens, dim = 1, 256, 8
+    # lo 1.0 and step 2**-8: q / 256 + 1 hits every bfloat16 tie (1 + odd/256) and the values between
+    k = torch.arange(tokens, dtype=torch.float32).div(256).add(1).view(1, tokens, 1).expand(heads, tokens, dim).clone()
+    kv = KVCache([KVLayer(k, k.clone())])
+    data = codec.encode(kv)
+    out = KVCache.allocate(kv, tokens, dtype=torch.bfloat16)
+    codec.decode_into(data, out)
+    assert torch.equal(out.layers[0].k, codec.decode(data).layers[0].k.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", INTO)
+def test_decode_into_refuses_the_wrong_slot_and_bad_bytes_before_writing(name):
+    from cachegen.errors import KeyMismatch
+
+    codec = B.baseline(name)
+    kv = _kv(layers=2, tokens=64)
+    data = codec.encode(kv.slice(0, 32), 0, key="k" * 8)
+    out = KVCache.allocate(kv, 64)
+    for l in out.layers:
+        l.k.zero_()
+        l.v.zero_()
+
+    def untouched() -> bool:
+        return all(float(l.k.abs().max()) == 0 and float(l.v.abs().max()) == 0 for l in out.layers)
+
+    with pytest.raises(CorruptChunk, match="tokens"):
+        codec.decode_into(data, out.slice(32, 64))  # another range
+    with pytest.raises(CorruptChunk, match="tokens"):
+        codec.decode_into(data, out)  # a longer slot
+    with pytest.raises(CorruptChunk, match="layout"):
+        codec.decode_into(data, KVCache.allocate(_kv(layers=2, heads=3, tokens=32), 32))
+    with pytest.raises(CorruptChunk, match="layout"):
+        codec.decode_into(data, KVCache.allocate(_kv(layers=2, tokens=32, sliding=True), 32))
+    with pytest.raises(KeyMismatch):
+        codec.decode_into(data, out.slice(0, 32), key="x" * 8)
+    for bad in (data[:-1], data + b"\0"):
+        with pytest.raises(CorruptChunk, match="bytes after the header"):
+            codec.decode_into(bad, out.slice(0, 32))
+    assert untouched()
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "uniform8"])
+def test_decode_into_refuses_non_finite_values(name):
+    codec = B.baseline(name)
+    kv = _kv(layers=2, tokens=32)
+    data = bytearray(codec.encode(kv))
+    h = B.header_size(name, 2)
+    # raw: the last value of the last layer's V; uniform: the first fp16 min of the first layer's K
+    at = len(data) - 2 if name != "uniform8" else h
+    data[at : at + 2] = np.array([np.inf], np.float16).view(np.uint16).tobytes()
+    if name == "bf16":
+        data[at : at + 2] = (0x7FC0).to_bytes(2, "little")  # a bfloat16 NaN
+    with pytest.raises(CorruptChunk, match="non-finite"):
+        codec.decode(bytes(data))
+    with pytest.raises(CorruptChunk, match="non-finite"):
+        codec.decode_into(bytes(data), KVCache.allocate(kv, 32))

@@ -266,6 +266,11 @@ class Reader:
         dt = np.dtype(dtype)
         return np.frombuffer(self.take(dt.itemsize * count), dtype=dt, count=count)
 
+    @property
+    def left(self) -> int:
+        """Bytes not read yet."""
+        return len(self.mv) - self.p
+
     def rest(self) -> memoryview:
         return self.take(len(self.mv) - self.p)
 

@@ -124,6 +124,7 @@ def decode_many_into(
         return codec.decode_many_into(datas, out, sizes, keys=keys)
     pos = out.start
     for j, (data, n) in enumerate(zip(datas, sizes, strict=True)):
-        decode_into(codec, data, out.slice(pos, pos + n), key=keys[j] if keys else None)
+        part = out if n == out.num_tokens else out.slice(pos, pos + n)
+        decode_into(codec, data, part, key=keys[j] if keys else None)
         pos += n
     return out

@@ -136,7 +136,7 @@ class FormatLadder:
             decode_many_into(
                 split[run[0]][0].codec,
                 [cast(bytes, split[j][1]) for j in run],
-                out.slice(pos, pos + n),
+                out if n == out.num_tokens else out.slice(pos, pos + n),
                 [sizes[j] for j in run],
                 keys=[keys[j] for j in run] if keys is not None else None,
             )

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numba import njit
 
+from cachegen.codec import _numba_env  # noqa: F401  # before numba
 from cachegen.codec.container import DIGEST_SIZE, Reader, key_digest
 from cachegen.errors import ConfigError, CorruptChunk, KeyMismatch
 from cachegen.kv import KVCache, KVLayer, LayerKind
@@ -96,6 +98,20 @@ def _read_header(r: Reader, name: str, key: str | None = None) -> tuple[int | No
     if not shapes:
         raise CorruptChunk("no layers")
     return (None if level == 255 else level), start, shapes
+
+
+def _check_slot(shapes: list[_LayerShape], start: int, out: KVCache, what: str) -> None:
+    """:class:`CorruptChunk` unless a chunk of ``shapes`` from ``start`` is exactly ``out``'s range
+    and layout (what :func:`cachegen.codec.protocol.check_fits` asks of a decoded chunk)."""
+    tokens = {s.tokens for s in shapes}
+    if start != out.start or tokens != {out.num_tokens}:
+        n = min(tokens)
+        raise CorruptChunk(f"{what} holds tokens [{start}, {start + n}), expected [{out.start}, {out.end})")
+    if len(shapes) != out.num_layers or any(
+        (s.kind, s.window, s.heads, s.dk, s.dv) != (l.kind, l.window, l.k.shape[0], l.k.shape[2], l.v.shape[2])
+        for s, l in zip(shapes, out.layers)
+    ):
+        raise CorruptChunk(f"{what} has a different layout from the cache it is written into")
 
 
 def _check_level(codec, level: int) -> None:
@@ -188,3 +204,57 @@ def _quant_minmax(x: np.ndarray, axis: int, bits: int) -> tuple[np.ndarray, np.n
 
 def _dequant_minmax(q: np.ndarray, lo16: np.ndarray, step16: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * step16.astype(np.float32) + lo16.astype(np.float32)
+
+
+def _dequant_minmax_into(q: np.ndarray, lo16: np.ndarray, step16: np.ndarray, dst: torch.Tensor) -> None:
+    """:func:`_dequant_minmax` written into ``dst`` (a view of a preallocated cache) and cast to
+    its dtype: the same values as decoding and then copying, in one pass without a float32 copy
+    of the chunk (float32 and bfloat16 caches whose rows are contiguous, as
+    :meth:`~cachegen.kv.KVCache.allocate` makes them; others go through numpy). ``lo16`` and
+    ``step16`` (``[heads, 1, dim]``) must be finite (the result then is)."""
+    h, t, d = q.shape
+    lo, step = lo16.astype(np.float32).reshape(h, d), step16.astype(np.float32).reshape(h, d)
+    if dst.dtype in (torch.float32, torch.bfloat16) and dst.shape == q.shape and dst.stride()[1:] == (d, 1):
+        # the storage as one flat array: the kernel's inner loop runs over contiguous memory
+        bits = dst if dst.dtype == torch.float32 else dst.view(torch.int16)
+        flat = bits.as_strided((bits.untyped_storage().nbytes() // bits.element_size(),), (1,), 0).numpy()
+        kernel = _dequant_f32 if dst.dtype == torch.float32 else _dequant_bf16
+        kernel(q.reshape(h, t * d), step, lo, flat, dst.storage_offset(), dst.stride(0))
+    else:
+        dst.copy_(torch.from_numpy(_dequant_minmax(q, lo16, step16)))
+
+
+# Without fastmath numba keeps the multiply and the add apart (no fused multiply-add), so these
+# give numpy's float32 values bit for bit; nogil lets the fetch thread run beside them.
+# ``out`` is the cache's whole storage, flat; head i's rows start at ``off + i * head_stride``.
+# The loops index slices from 0 (no negative-index wraparound), so LLVM vectorizes them.
+@njit(nogil=True, cache=True)
+def _dequant_f32(q, step, lo, out, off, head_stride):  # pragma: no cover - compiled
+    h, n = q.shape
+    d = step.shape[1]
+    for i in range(h):
+        o, qi, si, li = out[off + i * head_stride : off + i * head_stride + n], q[i], step[i], lo[i]
+        for j in range(0, n, d):
+            oj, qj = o[j : j + d], qi[j : j + d]
+            for k in range(d):
+                oj[k] = np.float32(qj[k]) * si[k] + li[k]
+
+
+@njit(nogil=True, cache=True)
+def _dequant_bf16(q, step, lo, out, off, head_stride):  # pragma: no cover - compiled
+    """``out``: bfloat16 storage as int16; float32 rounded to nearest even, as torch casts."""
+    h, n = q.shape
+    d = step.shape[1]
+    row = np.empty(d, np.float32)
+    bits = row.view(np.uint32)
+    for i in range(h):
+        o, qi, si, li = out[off + i * head_stride : off + i * head_stride + n], q[i], step[i], lo[i]
+        for j in range(0, n, d):
+            oj, qj = o[j : j + d], qi[j : j + d]
+            for k in range(d):
+                row[k] = np.float32(qj[k]) * si[k] + li[k]
+            for k in range(d):
+                b = bits[k]
+                oj[k] = np.int16(
+                    np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                )

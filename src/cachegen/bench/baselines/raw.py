@@ -8,12 +8,13 @@ import torch
 from cachegen.bench.baselines._format import (
     _build,
     _check_level,
+    _check_slot,
     _read_header,
     _write_header,
     _Writer,
 )
 from cachegen.codec.container import Reader
-from cachegen.errors import ConfigError
+from cachegen.errors import ConfigError, CorruptChunk
 from cachegen.kv import KVCache
 
 
@@ -27,6 +28,7 @@ class RawCodec:
             raise ConfigError(f"raw dtype must be fp16 or bf16, not {dtype!r}")
         self.name = dtype
         self._torch = torch.float16 if dtype == "fp16" else torch.bfloat16
+        self._inf_bits = 0x7C00 if dtype == "fp16" else 0x7F80  # the exponent field, all ones
 
     def encode(self, kv: KVCache, level: int = 0, *, key: str | None = None) -> bytes:
         _check_level(self, level)
@@ -49,3 +51,27 @@ class RawCodec:
                 out.append(torch.from_numpy(a.copy()).view(self._torch).float().numpy())
         r.done()
         return _build(shapes, start, ks, vs)
+
+    def decode_into(self, data: bytes, out: KVCache, *, key: str | None = None) -> KVCache:
+        """:meth:`decode` written straight into ``out`` (a :class:`~cachegen.codec.protocol.DecodesInto`),
+        cast once from 16 bits to ``out``'s dtype instead of through a float32 copy of the chunk.
+        The chunk's size is checked before anything is written."""
+        what = f"{self.name} chunk"
+        r = Reader(memoryview(data), what)
+        _, start, shapes = _read_header(r, self.name, key)
+        _check_slot(shapes, start, out, what)
+        need = sum(2 * s.heads * s.tokens * (s.dk + s.dv) for s in shapes)
+        if need != r.left:
+            raise CorruptChunk(f"{what}: {r.left} bytes after the header, its layers need {need}")
+        # one pass over the bit patterns finds an inf or NaN (every exponent bit set), before any write
+        body = np.frombuffer(r.mv[r.p :], dtype=np.int16)
+        if body.size and int(np.bitwise_and(body, 0x7FFF).max()) >= self._inf_bits:
+            raise CorruptChunk("non-finite values")
+        for s, layer in zip(shapes, out.layers):
+            for d, dst in ((s.dk, layer.k), (s.dv, layer.v)):
+                a = r.array(np.int16, s.heads * s.tokens * d).reshape(s.heads, s.tokens, d)
+                dst.copy_(
+                    torch.from_numpy(a.copy()).view(self._torch)
+                )  # a writable copy: torch warns on a read-only buffer
+        r.done()
+        return out

@@ -7,7 +7,9 @@ import numpy as np
 from cachegen.bench.baselines._format import (
     _build,
     _check_level,
+    _check_slot,
     _dequant_minmax,
+    _dequant_minmax_into,
     _np32,
     _quant_minmax,
     _read_header,
@@ -18,7 +20,7 @@ from cachegen.bench.baselines._format import (
     unpack_bits,
 )
 from cachegen.codec.container import Reader
-from cachegen.errors import ConfigError
+from cachegen.errors import ConfigError, CorruptChunk
 from cachegen.kv import KVCache
 
 
@@ -59,3 +61,29 @@ class UniformCodec:
                 out.append(_dequant_minmax(q, lo, step))
         r.done()
         return _build(shapes, start, ks, vs)
+
+    def decode_into(self, data: bytes, out: KVCache, *, key: str | None = None) -> KVCache:
+        """:meth:`decode` written straight into ``out`` (a :class:`~cachegen.codec.protocol.DecodesInto`):
+        the loader's fixed 8-bit method and the adaptive ladder's 8-bit rung decode without a
+        float32 copy of the chunk and a second pass to place it. The chunk's size is checked
+        before anything is written."""
+        what = f"{self.name} chunk"
+        r = Reader(memoryview(data), what)
+        _, start, shapes = _read_header(r, self.name, key)
+        _check_slot(shapes, start, out, what)
+        need = sum(
+            4 * s.heads * d + packed_len(s.heads * s.tokens * d, self.bits) for s in shapes for d in (s.dk, s.dv)
+        )
+        if need != r.left:
+            raise CorruptChunk(f"{what}: {r.left} bytes after the header, its layers need {need}")
+        for s, layer in zip(shapes, out.layers):
+            for d, dst in ((s.dk, layer.k), (s.dv, layer.v)):
+                lo = r.array(np.float16, s.heads * d).reshape(s.heads, 1, d)
+                step = r.array(np.float16, s.heads * d).reshape(s.heads, 1, d)
+                if not (np.isfinite(lo).all() and np.isfinite(step).all()):
+                    raise CorruptChunk("non-finite values")
+                n = s.heads * s.tokens * d
+                q = unpack_bits(r.take(packed_len(n, self.bits)), self.bits, n).reshape(s.heads, s.tokens, d)
+                _dequant_minmax_into(q, lo, step, dst)
+        r.done()
+        return out
