@@ -19,6 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "cachegen"
 LAYERS: dict[str, int] = {
     "errors": 0,
     "paths": 0,
+    "allocator": 0,
     "kv": 1,
     "corpus": 1,
     "progress": 1,

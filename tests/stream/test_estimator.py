@@ -112,3 +112,54 @@ def test_a_loads_first_fetch_is_planned_at_the_tail_rate_not_a_stale_slow_sample
     assert e.estimate() == pytest.approx(0.05)
     assert e.next_estimate(first_of_load=True) == pytest.approx(hm(0.4, 0.4, 0.4, 0.4, 0.05)) == pytest.approx(1 / 6)
     assert e.next_estimate(first_of_load=False) == pytest.approx(0.05)
+
+
+def _fetch_s(nbytes: int, latency: float = 0.001, gbps: float = 5.0) -> float:
+    return latency + nbytes * 8 / (gbps * 1e9)
+
+
+def test_latency_is_fitted_to_fetches_of_different_sizes():
+    e = ThroughputEstimator()
+    sizes = [200_000, 3_000_000, 200_000, 3_000_000, 400_000]
+    for b in sizes[:3]:
+        e.record_fetch(b, _fetch_s(b))
+    assert e.latency(0.0005) == 0.0005  # three fetches: the default
+    for b in sizes[3:]:
+        e.record_fetch(b, _fetch_s(b))
+    assert e.latency(0.0005) == pytest.approx(0.001, rel=1e-9)
+    e.record_fetch(200_000, 0.05)  # one stalled fetch moves neither the slope nor the intercept much
+    assert e.latency(0.0005) == pytest.approx(0.001, rel=0.05)
+    e.reset()
+    assert e.latency(0.0005) == 0.0005
+
+
+def test_latency_keeps_the_default_without_a_fit():
+    same = ThroughputEstimator()
+    for _ in range(6):
+        same.record_fetch(200_000, _fetch_s(200_000))  # one size: latency and rate cannot be told apart
+    assert same.latency(0.0007) == 0.0007
+    close = ThroughputEstimator()
+    for b in (200_000, 300_000, 250_000, 390_000):  # no two sizes twofold apart
+        close.record_fetch(b, _fetch_s(b))
+    assert close.latency(0.0007) == 0.0007
+    faster_when_bigger = ThroughputEstimator()
+    for b, t in ((200_000, 0.004), (3_000_000, 0.002), (200_000, 0.004), (3_000_000, 0.002)):
+        faster_when_bigger.record_fetch(b, t)
+    assert faster_when_bigger.latency(0.0007) == 0.0007
+    ignored = ThroughputEstimator()
+    for b, t in ((200_000, 0.0), (3_000_000, -1.0), (-5, 0.1), (200_000, 0.001)):
+        ignored.record_fetch(b, t)  # not a fetch time, or not a size: not recorded
+    assert ignored.latency(0.0007) == 0.0007
+
+
+def test_latency_is_clamped_to_zero_and_to_the_fastest_fetch():
+    negative = ThroughputEstimator()
+    for b in (1_000_000, 3_000_000, 1_000_000, 3_000_000):
+        negative.record_fetch(b, b * 1e-9 - 0.0005)  # a line through a negative intercept
+    assert negative.latency(0.001) == 0.0
+    above = ThroughputEstimator()
+    for b, t in ((100, 0.010), (1000, 0.011), (100, 0.010), (1000, 0.011)):
+        above.record_fetch(b, t)
+    assert above.latency(0.001) == pytest.approx(0.0098889, rel=1e-4)  # below the fastest fetch, 10 ms
+    above.record_fetch(100, 0.002)  # one fetch faster than the fit (9.9 ms): the latency cannot exceed it
+    assert above.latency(0.001) == 0.002

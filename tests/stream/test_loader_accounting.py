@@ -22,7 +22,7 @@ from cachegen.stream import (
     VirtualRunner,
     constant,
 )
-from cachegen.stream.costs import TEXT
+from cachegen.stream.costs import TEXT, CostModel
 from stream.fakes import FaultyCodec, FaultyStore, ToyCodec, ToyModel
 
 # the toy context of the fault tests: six full chunks of 32 tokens and a partial one, stored at every level
@@ -249,6 +249,7 @@ def test_the_rule_is_planned_and_recorded_at_the_last_sample(setup):
         codec,
         model.recompute,
         LoaderOptions(policy="rule", slo_s=7.0),
+        costs=CostModel(fetch_latency_s=0.0),  # the link's: none
         link=link,
         estimator=est,
         clock=clock,
@@ -267,3 +268,78 @@ def test_a_fault_is_traced_at_debug_level(setup, caplog):
     assert len(res.faults) == 1
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert any("Traceback" in m and "injected bug in the store" in m for m in debug), debug
+
+
+@pytest.mark.parametrize("latency_s", [0.0, 0.005, 0.02])
+def test_a_sample_is_the_rate_net_of_the_per_request_latency(setup, latency_s):
+    """The estimator's samples split a fetch as the planner prices one (latency + bytes / rate):
+    over a 4 Mbit/s link with a per-fetch latency the cost model knows, every sample is 4 Mbit/s
+    (counting the latency as transfer gave less, the more so the smaller the chunk)."""
+    _, _, store, tokens, _kv = setup
+    clock, codec, model = virtual()
+    link = ThrottledLink(Trace([(0, 0.004)], by="chunk"), latency_s=latency_s, clock=clock, sleep=clock.sleep)
+    res = StreamingLoader(
+        store,
+        codec,
+        model.recompute,
+        LoaderOptions(policy=0),
+        costs=CostModel(fetch_latency_s=latency_s),
+        link=link,
+        estimator=ThroughputEstimator(prior_gbps=0.004, min_bytes=0),
+        clock=clock,
+        runner=VirtualRunner(clock),
+    ).load(tokens)
+    fetch = [d.fetch_end - d.fetch_start for d in res.decisions]
+    assert fetch == pytest.approx([latency_s + d.bytes * 8 / 4e6 for d in res.decisions], rel=1e-9)
+    wire = [d.bytes * 8 / 4e6 for d in res.decisions]
+    if latency_s <= min(wire):
+        assert [d.measured_gbps for d in res.decisions] == pytest.approx([0.004] * 7, rel=1e-9)
+    else:  # the latency is more than half of each fetch: half the fetch is taken as transfer
+        want = [d.bytes * 8 / (f / 2) / 1e9 for d, f in zip(res.decisions, fetch)]
+        assert [d.measured_gbps for d in res.decisions] == pytest.approx(want, rel=1e-9)
+        assert all(d.bytes * 8 / f / 1e9 < d.measured_gbps < 0.004 for d, f in zip(res.decisions, fetch))
+
+
+def test_transfer_s_takes_off_the_latency_and_at_most_half_the_fetch():
+    from cachegen.stream.loader import transfer_s
+
+    assert transfer_s(0.010, 0.004) == pytest.approx(0.006)
+    assert transfer_s(0.010, 0.0) == 0.010
+    assert transfer_s(0.010, 0.005) == pytest.approx(0.005)  # exactly half
+    assert transfer_s(0.010, 0.008) == pytest.approx(0.005)  # an overstated latency: half, no more
+    assert transfer_s(0.010, 0.5) == pytest.approx(0.005)
+    assert transfer_s(0.010, -0.003) == 0.010  # a negative latency adds nothing
+
+
+@pytest.mark.parametrize("policy", ["fastest", 0])
+def test_the_fastest_policy_takes_the_latency_its_link_measures(setup, policy):
+    """The link adds 0.5 ms per fetch; the cost model says none. The fastest policy plans with
+    the latency fitted to the link's fetches (seeded here with two sizes), so its samples are the
+    link's 4 Mbit/s; a fixed level keeps the cost model's latency, and its samples count the
+    0.5 ms as transfer."""
+    _, _, store, tokens, _kv = setup
+    clock, codec, model = virtual()
+    link = ThrottledLink(Trace([(0, 0.004)], by="chunk"), latency_s=0.0005, clock=clock, sleep=clock.sleep)
+    est = ThroughputEstimator(prior_gbps=0.004, min_bytes=0)
+    for b in (1000, 5000, 1000, 5000):
+        est.record_fetch(b, 0.0005 + b * 8 / 4e6)
+    opts = LoaderOptions(policy=policy)
+    res = StreamingLoader(
+        store,
+        codec,
+        model.recompute,
+        opts,
+        costs=CostModel(fetch_latency_s=0.0),
+        link=link,
+        estimator=est,
+        clock=clock,
+        runner=VirtualRunner(clock),
+    ).load(tokens)
+    fetched = [d for d in res.decisions if d.choice != TEXT]
+    assert len(fetched) >= 4
+    if policy == "fastest":
+        assert [d.measured_gbps for d in fetched] == pytest.approx([0.004] * len(fetched), rel=1e-6)
+    else:
+        want = [d.bytes * 8 / (d.fetch_end - d.fetch_start) / 1e9 for d in fetched]
+        assert [d.measured_gbps for d in fetched] == pytest.approx(want, rel=1e-9)
+        assert all(m < 0.004 for m in want)

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from cachegen import __version__
+from cachegen.allocator import keep_freed_memory
 from cachegen.cli import output
 from cachegen.errors import CachegenError
 
@@ -155,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser(argv)
         args = parser.parse_args(argv)
         configure_logging(getattr(args, "_verbose", 0), getattr(args, "_quiet", False))
+        keep_freed_memory()  # each load's cache reuses the last one's pages (cachegen/allocator.py)
         with output.json_mode(getattr(args, "json", None)):
             rc = args.func(args)  # commands return an exit status, or their rows (success)
             sys.stdout.flush()

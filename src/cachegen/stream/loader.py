@@ -29,7 +29,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
@@ -145,7 +145,7 @@ class ChunkDecision:
     fetch_s: float = 0.0
     decode_s: float = 0.0  # decode, or recompute for text
     est_gbps: float | None = None  # the estimate the choice was made with
-    measured_gbps: float | None = None
+    measured_gbps: float | None = None  # bytes over the fetch's time less the cost model's latency
     fetch_start: float | None = None
     fetch_end: float | None = None
     decode_start: float | None = None
@@ -253,6 +253,15 @@ class FetchFailed:
     fetch_start: float
     fetch_end: float
     fault: str
+
+
+def transfer_s(fetch_s: float, latency_s: float) -> float:
+    """The part of a fetch that moved bytes, for the estimator: the fetch less the cost model's
+    per-request latency, as the planner prices a fetch (latency + bytes / rate). A small chunk's
+    fetch is mostly latency; counted as transfer, it made a fast link look slow after small
+    chunks. At most half the fetch is taken off, so a latency the model overstates can at most
+    double a sample (an overstated rate sends big formats over a slow link)."""
+    return max(fetch_s - max(latency_s, 0.0), fetch_s / 2)
 
 
 def _describe(where: str, e: BaseException) -> str:
@@ -494,9 +503,14 @@ class _Load:
 
     def plan_costs(self) -> CostModel:
         """The cost model for the next decision: the fastest policy's is corrected by what this
-        machine's decodes and recomputes measured (a deadline policy keeps the calibrated one,
-        whose headroom a median correction would spend)."""
-        return self.l.rates.corrected(self.l.costs) if self.o.policy == FASTEST else self.l.costs
+        machine's decodes and recomputes measured and takes the per-request latency this link's
+        fetches measure (:meth:`ThroughputEstimator.latency`); a deadline policy keeps the
+        calibrated one, whose headroom a median correction would spend."""
+        if self.o.policy != FASTEST:
+            return self.l.costs
+        costs = self.l.rates.corrected(self.l.costs)
+        latency = self.l.estimator.latency(costs.fetch_latency_s)  # as this link's fetches measure it
+        return costs if latency == costs.fetch_latency_s else replace(costs, fetch_latency_s=latency)
 
     @staticmethod
     def predicted(costs: CostModel, chunk: PlanChunk, choice: Choice, batched: bool = False) -> float:
@@ -588,7 +602,8 @@ class _Load:
                     continue
                 return
             end = self.now()
-            measured = self.l.estimator.add(nbytes, end - start)
+            self.l.estimator.record_fetch(nbytes, end - start)
+            measured = self.l.estimator.add(nbytes, transfer_s(end - start, costs.fetch_latency_s))
             self.book(pos, chunk, level, costs, joins=before == level)
             yield Send(Fetched(pos, level, est, start, end, data, measured))
         if deferred is not None:
