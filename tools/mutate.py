@@ -500,6 +500,7 @@ _LOADER_EQUIVALENT = {
     " same cache, the same decisions",
     "xǁ_Loadǁdecode_batch__mutmut_30": _ZIP,
     "xǁ_Loadǁdecode_batch__mutmut_31": _ZIP,
+    "xǁ_Loadǁplan_costs__mutmut_6": "replace() with the latency the model already has is an equal copy of it",
 }
 _SQLCASE = "SQL keywords, identifiers, pragma names and values are case-insensitive; no quoted literal changes"
 _LOCAL_EQUIVALENT = {

@@ -163,3 +163,64 @@ def test_latency_is_clamped_to_zero_and_to_the_fastest_fetch():
     assert above.latency(0.001) == pytest.approx(0.0098889, rel=1e-4)  # below the fastest fetch, 10 ms
     above.record_fetch(100, 0.002)  # one fetch faster than the fit (9.9 ms): the latency cannot exceed it
     assert above.latency(0.001) == 0.002
+
+
+def _theil_sen(f: list[tuple[int, float]], default: float) -> float:
+    """The fit ThroughputEstimator.latency documents, written out over itertools.combinations."""
+    import itertools
+    import statistics
+
+    slopes = [
+        (t2 - t1) / (b2 - b1)
+        for (b1, t1), (b2, t2) in itertools.combinations(f, 2)
+        if b1 != b2 and max(b1, b2) >= 2 * min(b1, b2)
+    ]
+    if len(f) < 4 or not slopes or statistics.median(slopes) <= 0:
+        return default
+    c = statistics.median(slopes)
+    return min(max(statistics.median(t - b * c for b, t in f), 0.0), min(t for _, t in f))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_latency_is_the_documented_fit_over_the_last_16_fetches(seed):
+    """Noisy fetches of sizes that are exactly 2x, between 2x and 3x, and further apart: the
+    estimator's latency is the Theil-Sen fit over its last 16 (older ones dropped)."""
+    import random
+
+    rng = random.Random(seed)
+    e = ThroughputEstimator()
+    f: list[tuple[int, float]] = []
+    for _ in range(rng.randint(16, 30)):
+        b = rng.choice([100_000, 200_000, 250_000, 500_000, 3_000_000])
+        t = _fetch_s(b, latency=0.001) * rng.uniform(0.8, 1.6)
+        e.record_fetch(b, t)
+        f.append((b, t))
+    assert e.latency(0.0005) == pytest.approx(_theil_sen(f[-16:], 0.0005), rel=1e-12)
+
+
+def test_a_zero_byte_fetch_counts_and_a_non_fetch_does_not():
+    e = ThroughputEstimator()
+    for b in (0, 0, 1_000_000, 1_000_000):  # an empty payload's fetch is all latency
+        e.record_fetch(b, _fetch_s(b, latency=0.002))
+    assert e.latency(0.0005) == pytest.approx(0.002, rel=1e-9)
+    for b, t in ((3_000_000, 0.0), (3_000_000, -0.5), (-3_000_000, 0.02), (-1, 0.5)):
+        e.record_fetch(b, t)  # no time, or no size: not recorded, the fit is unchanged
+    assert e.latency(0.0005) == pytest.approx(0.002, rel=1e-9)
+
+
+def test_sizes_twofold_or_more_apart_make_a_pair():
+    exact = ThroughputEstimator()
+    for b in (100_000, 200_000, 100_000, 200_000):  # exactly twofold
+        exact.record_fetch(b, _fetch_s(b))
+    assert exact.latency(0.0005) == pytest.approx(0.001, rel=1e-9)
+    between = ThroughputEstimator()
+    for b in (200_000, 500_000, 200_000, 500_000):  # 2.5-fold
+        between.record_fetch(b, _fetch_s(b))
+    assert between.latency(0.0005) == pytest.approx(0.001, rel=1e-9)
+
+
+def test_no_slope_keeps_the_default():
+    e = ThroughputEstimator()
+    for b in (100_000, 1_000_000, 100_000, 1_000_000):
+        e.record_fetch(b, 0.003)  # as fast for 1 MB as for 100 KB: the slope is 0
+    assert e.latency(0.0005) == 0.0005
