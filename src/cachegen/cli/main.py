@@ -155,8 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser(argv)
         args = parser.parse_args(argv)
-        configure_logging(getattr(args, "_verbose", 0), getattr(args, "_quiet", False))
         keep_freed_memory()  # each load's cache reuses the last one's pages (cachegen/allocator.py)
+        configure_logging(getattr(args, "_verbose", 0), getattr(args, "_quiet", False))
         with output.json_mode(getattr(args, "json", None)):
             rc = args.func(args)  # commands return an exit status, or their rows (success)
             sys.stdout.flush()
