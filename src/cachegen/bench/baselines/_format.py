@@ -224,20 +224,25 @@ def _dequant_minmax_into(q: np.ndarray, lo16: np.ndarray, step16: np.ndarray, ds
         dst.copy_(torch.from_numpy(_dequant_minmax(q, lo16, step16)))
 
 
-# Without fastmath numba keeps the multiply and the add apart (no fused multiply-add), so these
-# give numpy's float32 values bit for bit; nogil lets the fetch thread run beside them.
+# Without fastmath numba keeps the multiply and the add apart (no fused multiply-add), so the
+# kernels give numpy's float32 values bit for bit; nogil lets the fetch thread run beside them.
 # ``out`` is the cache's whole storage, flat; head i's rows start at ``off + i * head_stride``.
 # The loops index slices from 0 (no negative-index wraparound), so LLVM vectorizes them.
+@njit(nogil=True, cache=True, inline="always")
+def _dequant_row(q, step, lo, out):  # pragma: no cover - compiled
+    """One token's row: the arithmetic both kernels share."""
+    for k in range(out.shape[0]):
+        out[k] = np.float32(q[k]) * step[k] + lo[k]
+
+
 @njit(nogil=True, cache=True)
 def _dequant_f32(q, step, lo, out, off, head_stride):  # pragma: no cover - compiled
     h, n = q.shape
     d = step.shape[1]
     for i in range(h):
-        o, qi, si, li = out[off + i * head_stride : off + i * head_stride + n], q[i], step[i], lo[i]
+        o, qi = out[off + i * head_stride : off + i * head_stride + n], q[i]
         for j in range(0, n, d):
-            oj, qj = o[j : j + d], qi[j : j + d]
-            for k in range(d):
-                oj[k] = np.float32(qj[k]) * si[k] + li[k]
+            _dequant_row(qi[j : j + d], step[i], lo[i], o[j : j + d])
 
 
 @njit(nogil=True, cache=True)
@@ -248,11 +253,10 @@ def _dequant_bf16(q, step, lo, out, off, head_stride):  # pragma: no cover - com
     row = np.empty(d, np.float32)
     bits = row.view(np.uint32)
     for i in range(h):
-        o, qi, si, li = out[off + i * head_stride : off + i * head_stride + n], q[i], step[i], lo[i]
+        o, qi = out[off + i * head_stride : off + i * head_stride + n], q[i]
         for j in range(0, n, d):
-            oj, qj = o[j : j + d], qi[j : j + d]
-            for k in range(d):
-                row[k] = np.float32(qj[k]) * si[k] + li[k]
+            _dequant_row(qi[j : j + d], step[i], lo[i], row)
+            oj = o[j : j + d]
             for k in range(d):
                 b = bits[k]
                 oj[k] = np.int16(

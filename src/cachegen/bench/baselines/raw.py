@@ -63,15 +63,15 @@ class RawCodec:
         need = sum(2 * s.heads * s.tokens * (s.dk + s.dv) for s in shapes)
         if need != r.left:
             raise CorruptChunk(f"{what}: {r.left} bytes after the header, its layers need {need}")
+        body = np.frombuffer(r.rest(), dtype=np.int16)
         # one pass over the bit patterns finds an inf or NaN (every exponent bit set), before any write
-        body = np.frombuffer(r.mv[r.p :], dtype=np.int16)
         if body.size and int(np.bitwise_and(body, 0x7FFF).max()) >= self._inf_bits:
             raise CorruptChunk("non-finite values")
+        src = torch.from_numpy(body.copy()).view(self._torch)  # a writable copy: torch warns on a read-only buffer
+        pos = 0
         for s, layer in zip(shapes, out.layers):
             for d, dst in ((s.dk, layer.k), (s.dv, layer.v)):
-                a = r.array(np.int16, s.heads * s.tokens * d).reshape(s.heads, s.tokens, d)
-                dst.copy_(
-                    torch.from_numpy(a.copy()).view(self._torch)
-                )  # a writable copy: torch warns on a read-only buffer
-        r.done()
+                n = s.heads * s.tokens * d
+                dst.copy_(src[pos : pos + n].view(s.heads, s.tokens, d))
+                pos += n
         return out
