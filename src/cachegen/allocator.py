@@ -4,7 +4,8 @@ Why: a load writes a freshly allocated cache (:meth:`cachegen.kv.KVCache.allocat
 of a few MB per layer and K/V. glibc serves blocks that big with ``mmap`` and unmaps them when
 they are freed, so every load touches new pages, and the kernel's zero-filling of them cost
 more than decoding the chunks: sixteen 8-bit chunks of a 4K SmolLM2 context decode into a cache
-already touched in 32 ms and into a fresh one in 120 ms (docs/streaming.md). With blocks of up
+already touched in 33 ms and into a fresh one in 78-88 ms (``tools/profile_raw_decode.py``,
+quoted in the README). With blocks of up
 to 32 MB taken from the heap and the heap's top never trimmed, the next cache reuses the pages
 of the last. The process's resident memory then stays at its peak between requests, as with
 jemalloc or tcmalloc: what a server wants, not what every library user wants, so the CLI's
