@@ -1,9 +1,13 @@
 """Where a decode's time goes: a context as one chunk against the same context as many chunks.
 
     .venv/bin/python tools/profile_decode.py [--level 6] [--chunk-tokens 256] [--context-tokens 4096]
+        [--jobs-per-thread 2,8] [--busy] [--no-profile]
 
 Prints the best-of-15 times on two threads (one chunk, the chunks in one ``decode_many_into``
-call, one ``decode_into`` per chunk), then a cProfile of ten decodes of each kind on one thread
+call, one ``decode_into`` per chunk) for each ``--jobs-per-thread`` (how many decode jobs the
+codec splits a chunk's sections into per thread, :func:`cachegen.codec.codec.decode_jobs`; the
+values take turns over three rounds; ``--busy``: with another process keeping a core half busy,
+as the loader's fetches do), then a cProfile of ten decodes of each kind on one thread
 (``Codec(threads=1)``: a pool thread's work is invisible to cProfile), sorted by own time. The
 batched decode's extra over one chunk is per-chunk work: Python that holds the GIL, so two
 threads do not shrink it. docs/codec.md quotes its output.
@@ -14,8 +18,21 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import subprocess
+import sys
 
 from cachegen.codec import LEVELS
+
+# hashes for 4 ms, sleeps for 4 ms: about what a store read and its checksum take of a core at 1 Gbit/s
+_HALF_BUSY = """
+import hashlib, time
+b = bytes(1 << 18)
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.004:
+        hashlib.blake2b(b).digest()
+    time.sleep(0.004)
+"""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +42,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--context-tokens", type=int, default=4096)
     ap.add_argument("--top", type=int, default=20, help="rows of each profile (default 20)")
+    ap.add_argument("--jobs-per-thread", default="2", help="comma-separated values to compare (default 2)")
+    ap.add_argument("--busy", action="store_true", help="time with another process keeping a core half busy")
+    ap.add_argument("--no-profile", action="store_true", help="only the times, no cProfile")
     a = ap.parse_args(argv)
+    try:
+        per_thread = [int(x) for x in a.jobs_per_thread.split(",")]
+    except ValueError:
+        ap.error("--jobs-per-thread takes integers, e.g. 2,8")
+    if not per_thread or min(per_thread) < 1:
+        ap.error("--jobs-per-thread takes integers >= 1")
     if a.chunk_tokens < 1 or a.context_tokens < a.chunk_tokens:
         ap.error("need 1 <= --chunk-tokens <= --context-tokens")
 
@@ -58,14 +84,26 @@ def main(argv: list[str] | None = None) -> None:
                 codec.decode_into(d, out.slice(p.start, p.end))  # noqa: B023
 
         if threads == 2:
-            print(
-                f"level {a.level}, {kv.num_tokens} tokens, {len(parts)} chunks, 2 threads: "
-                f"one chunk {best_time(one, 15):.4f} s, batched {best_time(batched, 15):.4f} s, "
-                f"chunk by chunk {best_time(chunked, 9):.4f} s",
-                flush=True,
-            )
+            hog = subprocess.Popen([sys.executable, "-c", _HALF_BUSY]) if a.busy else None
+            try:
+                for rnd in range(3):
+                    for k in per_thread:
+                        codec.jobs_per_thread = k
+                        print(
+                            f"round {rnd + 1}, level {a.level}, {kv.num_tokens} tokens, {len(parts)} chunks, "
+                            f"2 threads, {k} jobs per thread{', a core half busy' if hog else ''}: "
+                            f"one chunk {best_time(one, 15):.4f} s, batched {best_time(batched, 15):.4f} s, "
+                            f"chunk by chunk {best_time(chunked, 9):.4f} s",
+                            flush=True,
+                        )
+            finally:
+                if hog:
+                    hog.kill()
+                    hog.wait()
             codec.close()
             continue
+        if a.no_profile:
+            break
         for name, fn in (("one chunk", one), ("batched", batched)):
             fn()
             pr = cProfile.Profile()

@@ -242,18 +242,40 @@ def test_self_contained_chunks_decode_with_their_own_profiles():
 
 
 @pytest.mark.parametrize(
-    ("n", "threads", "sizes"),
-    [(60, 2, [3, 4, 4, 4] * 4), (8, 2, [4, 4]), (5, 2, [2, 3]), (9, 1, [3, 3, 3]), (1, 2, [1])],
+    ("n", "threads", "per_thread", "sizes"),
+    [
+        (60, 2, 2, [15] * 4),
+        (61, 2, 2, [15, 15, 15, 16]),
+        (60, 2, 8, [3, 4, 4, 4] * 4),
+        (60, 3, 2, [10] * 6),
+        (60, 1, 2, [60]),
+        (60, 1, 8, [60]),
+        (3, 2, 2, [1, 1, 1]),
+        (1, 2, 2, [1]),
+        (5, 2, 0, [2, 3]),
+        (0, 2, 2, []),
+    ],
 )
-def test_decode_jobs_share_sections_evenly_where_the_simd_decoder_runs(monkeypatch, n, threads, sizes):
-    """Up to four sections to a job, in a job count the threads share evenly, sizes differing by at
-    most one; without the AVX-512 decoder, one section per job."""
-    from cachegen.codec import rans
+def test_decode_jobs_split_sections_into_runs_the_threads_share_evenly(n, threads, per_thread, sizes):
+    """``per_thread`` jobs per thread (at least one; one job on one thread, none for no sections),
+    never more than the sections, each a run of consecutive sections, sizes differing by at most one."""
     from cachegen.codec.codec import decode_jobs
 
     sections = list(range(n))
-    monkeypatch.setattr(rans.simd, "available", lambda: True)
-    jobs = decode_jobs(sections, threads)
+    jobs = decode_jobs(sections, threads, per_thread)
     assert [len(j) for j in jobs] == sizes and [s for j in jobs for s in j] == sections
-    monkeypatch.setattr(rans.simd, "available", lambda: False)
-    assert decode_jobs(sections, threads) == [[s] for s in sections]
+
+
+def test_decode_jobs_default_to_two_per_thread_and_the_codec_uses_its_setting(profile):
+    from cachegen.codec.codec import decode_jobs
+
+    assert [len(j) for j in decode_jobs(list(range(60)), 2)] == [15] * 4
+    c = Codec(profile, threads=2)
+    try:
+        assert c.jobs_per_thread == 2
+        assert [len(j) for j in c._split(list(range(60)), lossy=True)] == [15] * 4
+        c.jobs_per_thread = 8
+        assert [len(j) for j in c._split(list(range(60)), lossy=True)] == [3, 4, 4, 4] * 4
+        assert c._split(list(range(5)), lossy=False) == [[s] for s in range(5)]  # lossless: one per job
+    finally:
+        c.close()

@@ -9,8 +9,8 @@ preallocated cache, one ``decode_into`` per chunk; ``batched_decode_s`` the same
 The entropy figures time :func:`cachegen.codec.rans.decode_interleaved_many` /
 :func:`~cachegen.codec.rans.encode_interleaved` alone over all sections (best
 of 5), split over ``threads`` Python threads the way the codec splits them
-(:func:`cachegen.codec.codec.decode_jobs`: 3-4 sections to a decode job where the
-AVX-512 decoder runs, one elsewhere).
+(:func:`cachegen.codec.codec.decode_jobs`: runs of consecutive sections, two jobs per
+thread).
 """
 
 from __future__ import annotations

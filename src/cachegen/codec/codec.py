@@ -78,6 +78,7 @@ class Codec:
     layout must be the profile's too, so a chunk's memory is bounded by the model's)."""
 
     name = "cachegen"
+    jobs_per_thread = 2  # lossy decode jobs per pool thread (:func:`decode_jobs`)
 
     def __init__(
         self,
@@ -299,7 +300,7 @@ class Codec:
 
     def _split(self, sections: list, lossy: bool) -> list[list]:
         """Sections into jobs: :func:`decode_jobs` for lossy ones, one section per job otherwise."""
-        return decode_jobs(sections, self.threads) if lossy else [[s] for s in sections]
+        return decode_jobs(sections, self.threads, self.jobs_per_thread) if lossy else [[s] for s in sections]
 
     def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
         """The chunk's KV; with ``key``, only if the chunk was written for that chunk key."""
@@ -394,16 +395,19 @@ def _layout(out: KVCache) -> list[tuple]:
     return [(l.kind, l.window, int(l.k.shape[0]), int(l.k.shape[2]), int(l.v.shape[2])) for l in out.layers]
 
 
-def decode_jobs(sections: list, threads: int) -> list[list]:
-    """Lossy sections into decode jobs. Where the AVX-512 decoder runs, up to ``rans.simd.GROUP``
-    to a job (their rANS streams decode side by side), in a number of jobs that the threads share
-    evenly (60 sections: 16 jobs of 3-4 on two threads, not 15 of 4 with one thread doing a job
-    more); otherwise one section per job."""
-    if not rans.simd.available():
-        return [[s] for s in sections]
-    n_jobs = -(-len(sections) // rans.simd.GROUP)
-    n_jobs = -(-n_jobs // threads) * threads
-    bounds = [len(sections) * j // n_jobs for j in range(n_jobs + 1)]
+def decode_jobs(sections: list, threads: int, per_thread: int = 2) -> list[list]:
+    """Lossy sections into decode jobs of consecutive sections: ``per_thread`` jobs per thread (one
+    job with a single thread), sizes differing by at most one, never more jobs than sections.
+
+    Why: a job costs a fixed part besides its sections' work (its future, parsing calls, one call
+    each of the multiplier and symbol decoders, which take all its sections' streams side by side),
+    and that part holds the GIL, so it does not shrink with threads. 16 jobs of 3-4 sections, as
+    before, made a 256-token chunk's decode 19-23 ms on two threads, 4 jobs 14-17 ms, and 60 jobs of
+    one section (where the AVX-512 decoder does not run) 26 ms against 16 ms. Two per thread rather
+    than one, so that a thread slowed by other work (the loader's fetches) leaves its second job
+    to the other; ``tools/profile_decode_jobs.py`` measures it."""
+    n_jobs = min(len(sections), 1 if threads <= 1 else max(1, per_thread) * threads)
+    bounds = [len(sections) * j // n_jobs for j in range(n_jobs + 1)] if n_jobs else [0]
     return [sections[a:b] for a, b in pairwise(bounds) if b > a]
 
 
