@@ -313,9 +313,6 @@ _CODEC_EQUIVALENT = {
     "xǁCodecǁ_decode_sections__mutmut_39": _ZIP,
     "xǁCodecǁ_decode_sections__mutmut_42": _ZIP,
     "xǁCodecǁ_decode_sections__mutmut_43": _ZIP,
-    "xǁCodecǁ_split__mutmut_1": _JOBS,
-    "xǁCodecǁ_split__mutmut_2": _JOBS,
-    "xǁCodecǁ_split__mutmut_4": _JOBS + " (decode_jobs reads threads only where the AVX-512 decoder runs)",
     "xǁCodecǁdecode_many_into__mutmut_14": _ZIP,
     "xǁCodecǁdecode_many_into__mutmut_17": _ZIP,
     "xǁCodecǁdecode_many_into__mutmut_18": _ZIP,
@@ -458,6 +455,7 @@ _RANS_EQUIVALENT = {
 _NOTEXT = "text=None is false like text=False: options() leaves TEXT out"
 _PREVTEXT = "prev TEXT or None: neither is a level, so no chunk after it joins a batch either way"
 _NETONLY = "chunk_costs' one caller (choose_rule) reads only the network seconds"
+_TEXTPRICE = "text's price holds its recompute as both decode prices, and the text steps read neither its fetch nor the batched one"
 _PLANNER_EQUIVALENT = {
     "x_lift__mutmut_2": "boost 0 passes the check: lv[max(0, lv.index(level) - 0)] is the level itself",
     "x_lift__mutmut_8": _NOTEXT,
@@ -483,6 +481,9 @@ _PLANNER_EQUIVALENT = {
     "x_decide__mutmut_52": _NOTEXT,
     "x_decide__mutmut_106": "with one chunk left there is no tail: choose_adaptive's fits() never reads the futures",
     "x_decide__mutmut_120": "finish_quantile reads one column of futures per later chunk: the two extra are never read",
+    "x__at__mutmut_3": _TEXTPRICE,
+    "x__prices__mutmut_9": _TEXTPRICE,
+    "x__soonest__mutmut_6": _TEXTPRICE,
 }
 _DRAIN = (
     "draining for more messages than are left only finds the queue empty (Receive at now returns None at once)"

@@ -212,6 +212,39 @@ def test_ttft_methods_take_turns_and_report_their_best(monkeypatch, tiny_lm):
     assert best == {"recompute": 10.0, "fp16": 8.0, "kivi2": 8.0}
 
 
+def test_adaptive_keeps_one_estimator_and_one_compute_rates_per_bandwidth(monkeypatch, tiny_lm):
+    """Each bandwidth stands for one engine on its link: its adaptive loads (the untimed one and
+    the timed ones) share an estimator and decode speeds, which no other bandwidth's loads see."""
+    import cachegen.bench.ttft as T
+
+    seen: list[tuple[float, object, object]] = []
+    real = T.time_method
+
+    def spy(model, bench, m, ctx, tail, costs, estimator, vpt, rates=None):
+        if m.kind == "adaptive":
+            seen.append((bench.link.trace.gbps_at(0.0), estimator, rates))
+        return real(model, bench, m, ctx, tail, costs, estimator, vpt, rates)
+
+    monkeypatch.setattr(T, "time_method", spy)
+    run_ttft(
+        tiny_lm,
+        B.make_codecs(["fp16", "kivi2"]),
+        context_tokens=64,
+        bandwidths_gbps=[1.0, 10.0],
+        tail_tokens=2,
+        chunk_tokens=32,
+        repeats=2,
+        include_recompute=False,
+        adaptive=True,
+    )
+    assert [g for g, _, _ in seen] == [1.0, 1.0, 1.0, 10.0, 10.0, 10.0]
+    for part in (seen[:3], seen[3:]):
+        assert len({id(e) for _, e, _ in part}) == 1 and len({id(r) for _, _, r in part}) == 1
+        assert all(r is not None for _, _, r in part)
+    assert seen[0][1] is not seen[3][1] and seen[0][2] is not seen[3][2]
+    assert seen[0][2].known  # the untimed load's decodes taught the timed ones
+
+
 def test_cli_quality_on_a_local_model_dir(tmp_path, tiny_lm, capsys):
     from cachegen.cli.main import main
 

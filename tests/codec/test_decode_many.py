@@ -270,12 +270,12 @@ def test_decode_jobs_default_to_two_per_thread_and_the_codec_uses_its_setting(pr
     from cachegen.codec.codec import decode_jobs
 
     assert [len(j) for j in decode_jobs(list(range(60)), 2)] == [15] * 4
-    c = Codec(profile, threads=2)
+    c = Codec(profile, threads=3)  # threads != jobs_per_thread: the two are not interchangeable
     try:
         assert c.jobs_per_thread == 2
-        assert [len(j) for j in c._split(list(range(60)), lossy=True)] == [15] * 4
+        assert [len(j) for j in c._split(list(range(60)), lossy=True)] == [10] * 6
         c.jobs_per_thread = 8
-        assert [len(j) for j in c._split(list(range(60)), lossy=True)] == [3, 4, 4, 4] * 4
-        assert c._split(list(range(5)), lossy=False) == [[s] for s in range(5)]  # lossless: one per job
+        assert [len(j) for j in c._split(list(range(60)), lossy=True)] == [2, 3] * 12
+        assert c._split(list(range(60)), lossy=False) == [[s] for s in range(60)]  # lossless: one per job
     finally:
         c.close()

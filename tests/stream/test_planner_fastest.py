@@ -2,7 +2,8 @@
 ladders: each of the chunk's undominated options, followed by the next ``horizon`` chunks either
 greedily (each at the option that ends its compute soonest, then frees the link soonest) or all at
 one format (a chunk without it: its greedy option); the earliest end wins, ties to the earlier
-option. The oracle times plans with :mod:`stream.plan_oracle` (the cost model only); a brute force
+option, unless the head and the rest at one format (the best such, ties to the earlier) ends within
+``MIX_MARGIN`` of it and meets the deadline whenever the winner does: then that format. The oracle times plans with :mod:`stream.plan_oracle` (the cost model only); a brute force
 over every plan bounds the prediction from below."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 from cachegen.stream import decide
 from cachegen.stream.costs import TEXT, CostModel
-from cachegen.stream.planner import FASTEST_HORIZON, PipelineState, PlanChunk, choose_fastest
+from cachegen.stream.planner import FASTEST_HORIZON, MIX_MARGIN, PipelineState, PlanChunk, choose_fastest
 from stream.plan_oracle import COSTS, EXACT, make_chunks, run, step, undominated
 
 
@@ -56,14 +57,23 @@ def head_ends(remaining, gbps, costs, state, allowed=None, tail_gbps=None, horiz
     return out
 
 
-def oracle(remaining, gbps, costs, state, allowed=None, tail_gbps=None, horizon=FASTEST_HORIZON):
-    """(choice, its compute end, predicted end): the earliest end, ties to the earlier option."""
+def oracle(remaining, gbps, costs, state, allowed=None, tail_gbps=None, horizon=FASTEST_HORIZON, left=math.inf):
+    """(choice, its compute end, predicted end, whether a mix was given up for one format)."""
+    heads = head_ends(remaining, gbps, costs, state, allowed, tail_gbps, horizon)
     best = None
-    for o, (cpu0, ends) in head_ends(remaining, gbps, costs, state, allowed, tail_gbps, horizon).items():
+    for o, (cpu0, ends) in heads.items():
         total = min(ends.values())
         if best is None or total < best[2]:
             best = (o, cpu0, total)
-    return best
+    single = None  # the head whose own format for every chunk ends soonest
+    for o, (_cpu0, ends) in heads.items():
+        if o != TEXT and (single is None or ends[o] < heads[single][1][single]):
+            single = o
+    if single is not None and single != best[0]:
+        total = min(heads[single][1].values())
+        if best[2] > (1 - MIX_MARGIN) * total and (total <= left or best[2] > left):
+            return single, heads[single][0], total, True
+    return (*best, False)
 
 
 def random_case(rng: random.Random):
@@ -111,13 +121,15 @@ def random_case(rng: random.Random):
 
 def test_choose_fastest_follows_its_description():
     rng = random.Random(20261201)
-    seen = {"tie": 0, "cut": 0, "exact": 0}
+    seen = {"tie": 0, "cut": 0, "exact": 0, "single": 0}
     for _ in range(400):
         chunks, gbps, costs, state, allowed, tail, horizon = random_case(rng)
         heads = head_ends(chunks, gbps, costs, state, allowed, tail, horizon)
-        choice, finish, total = oracle(chunks, gbps, costs, state, allowed, tail, horizon)
-        # the deadline only sets `fits`: at the predicted end exactly it fits, a little before it not
+        total = oracle(chunks, gbps, costs, state, allowed, tail, horizon)[2]
+        # the deadline sets `fits` (at the predicted end exactly it fits, a little before it not)
+        # and whether a mix may be given up for a single format that would miss it
         left = rng.choice([math.inf, total, total * (1 - 1e-9)])
+        choice, finish, total, single = oracle(chunks, gbps, costs, state, allowed, tail, horizon, left)
         st = PipelineState(left, state.cpu_busy_s, state.net_busy_s, state.prev)
         p = choose_fastest(chunks, gbps, costs, st, allowed, tail_gbps=tail, horizon=horizon)
         assert (p.choice, p.finish_s, p.total_s, p.fits) == (choice, finish, total, total <= left), (
@@ -130,8 +142,9 @@ def test_choose_fastest_follows_its_description():
         seen["tie"] += sum(1 for o, (_, e) in heads.items() if o != choice and min(e.values()) == total)
         seen["cut"] += len(chunks) > horizon + 1
         seen["exact"] += left == total
+        seen["single"] += single
     # the cases hold heads that tie (the earlier wins), a horizon cutting the load short, a deadline
-    # at the predicted end exactly (none of them has a format beating the greedy continuation)
+    # at the predicted end exactly, a mix given up for one format
     assert all(v > 5 for v in seen.values()), seen
 
 
@@ -213,3 +226,42 @@ def test_decide_fastest_waits_out_a_busy_compute_stage_with_the_cheap_decode():
     assert decide("fastest", [c], costs, cpu_busy_s=0.0, **args) == 2
     assert decide("fastest", [c], costs, cpu_busy_s=1.0, **args) == 1
     assert decide("fastest", [c], costs, cpu_busy_s=0.0, **{**args, "time_left_s": 0.001}) == 2
+
+
+def test_a_mix_that_saves_less_than_the_margin_gives_way_to_one_format(monkeypatch):
+    """At 10 Gbit/s, 8-bit KV (3 MB, 1 ms to decode) against L7 (0.2 MB, 12 ms): L7 for the first
+    chunk saves one big fetch, 2.24 ms of 49 (4.6%), within the margin: every chunk takes 8-bit KV.
+    Without the margin the mix would be taken."""
+    from cachegen.stream import planner
+
+    costs = CostModel(decode_s_per_mvalue={1: 0.001, 7: 0.012}, decode_fixed_s=0.0, fetch_latency_s=0.0)
+    chunks = [PlanChunk(i, 256 * i, 256, 1_000_000, {1: 3_000_000, 7: 200_000}) for i in range(20)]
+    p = choose_fastest(chunks, 10.0, costs, PipelineState(math.inf))
+    assert p.choice == 1 and p.total_s == pytest.approx(0.049)
+    monkeypatch.setattr(planner, "MIX_MARGIN", 0.0)
+    p = choose_fastest(chunks, 10.0, costs, PipelineState(math.inf))
+    assert p.choice == 7 and p.total_s == pytest.approx(0.04676)
+    # a deadline only the mix meets keeps the mix
+    monkeypatch.setattr(planner, "MIX_MARGIN", 0.05)
+    p = choose_fastest(chunks, 10.0, costs, PipelineState(0.048))
+    assert p.choice == 7 and p.fits
+
+
+def test_a_mix_that_saves_exactly_the_margin_is_taken(monkeypatch):
+    """The mix must save at least the margin: saving it exactly keeps the mix."""
+    from cachegen.stream import planner
+
+    costs = CostModel(decode_s_per_mvalue={1: 0.001, 7: 0.012}, decode_fixed_s=0.0, fetch_latency_s=0.0)
+    chunks = [PlanChunk(i, 256 * i, 256, 1_000_000, {1: 3_000_000, 7: 200_000}) for i in range(20)]
+    monkeypatch.setattr(planner, "MIX_MARGIN", 0.0)
+    mix = choose_fastest(chunks, 10.0, costs, PipelineState(math.inf)).total_s
+    one = choose_fastest(chunks, 10.0, costs, PipelineState(math.inf), [1]).total_s
+    margin = 1 - mix / one
+    while (1 - margin) * one != mix:  # the margin whose saving equals the mix's, to the last bit
+        margin = math.nextafter(margin, 1.0 if (1 - margin) * one > mix else 0.0)
+    monkeypatch.setattr(planner, "MIX_MARGIN", margin)
+    assert choose_fastest(chunks, 10.0, costs, PipelineState(math.inf)).choice == 7
+    while (1 - margin) * one >= mix:  # the next margin that asks for more
+        margin = math.nextafter(margin, 1.0)
+    monkeypatch.setattr(planner, "MIX_MARGIN", margin)
+    assert choose_fastest(chunks, 10.0, costs, PipelineState(math.inf)).choice == 1

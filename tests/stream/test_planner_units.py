@@ -17,7 +17,9 @@ from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.planner import (
     PipelineState,
     PlanChunk,
-    _soonest,
+    _at,
+    _prices,
+    _step,
     cheapest_tail,
     choose_rule,
     chunk_costs,
@@ -205,6 +207,11 @@ def test_useful_options_drop_exactly_the_levels_beaten_on_both_costs():
 
 
 def test_the_soonest_option_ends_the_compute_first_then_frees_the_link_first():
+    def _soonest(net, cpu, chunk, choices, gbps, costs, prev):  # at the prices the chunk has there
+        from cachegen.stream.planner import _soonest as soonest
+
+        return soonest(net, cpu, prev, choices, _prices(chunk, choices, gbps, costs))
+
     c = PlanChunk(0, 0, 1, 0, {1: 125_000_000})
     # fetching (1.0 s + 0.5 s) and recomputing (1.5 s) tie on the compute stage: text leaves the link idle
     assert _soonest(0.0, 0.0, c, [1, TEXT], 1.0, EXACT, None) == (0.0, 1.5, TEXT)
@@ -212,5 +219,51 @@ def test_the_soonest_option_ends_the_compute_first_then_frees_the_link_first():
     slow = CostModel(**{**EXACT.__dict__, "recompute_fixed_s": 1.0})
     assert _soonest(0.0, 0.0, c, [1, TEXT], 1.0, slow, None) == (1.0, 1.5, 1)
     assert _soonest(0.0, 0.0, c, [TEXT, 1], 1.0, slow, None) == (1.0, 1.5, 1)
+    # a tie on the compute stage goes to the option that frees the link first, in either order
+    assert _soonest(0.0, 0.0, c, [TEXT, 1], 1.0, EXACT, None) == (0.0, 1.5, TEXT)
+    # a tie on both: the earlier option
+    twin = PlanChunk(0, 0, 1, 1_000_000, {1: 125_000_000, 2: 125_000_000})
+    same = CostModel(**{**EXACT.__dict__, "decode_s_per_mvalue": {1: 0.5, 2: 0.5}})
+    assert _soonest(0.0, 0.0, twin, [1, 2], 1.0, same, None)[2] == 1
+    assert _soonest(0.0, 0.0, twin, [2, 1], 1.0, same, None)[2] == 2
     # from a busy pipeline, at another rate: the fetch waits for the link and the compute stage
     assert _soonest(0.5, 2.0, c, [1], 2.0, slow, 1) == (*step(0.5, 2.0, c, 1, 2.0, slow, 1), 1) == (1.0, 2.5, 1)
+
+
+def test_a_step_at_a_precomputed_price_is_the_step():
+    """choose_fastest steps at prices computed once per decision: the same floats as _step, for
+    text and levels, batched or not, from idle and busy pipelines, at the batched price only
+    after a chunk of the same level that the compute stage is still busy with."""
+    rng = np.random.default_rng(7)
+    costs = replace(COSTS, decode_batched_s_per_mvalue={1: 0.004, 4: 0.009})
+    seen = {"batched": 0, "text": 0, "idle": 0}
+    for _ in range(300):
+        ch = PlanChunk(
+            3,
+            int(rng.integers(0, 4096)),
+            256,
+            int(rng.integers(1, 4_000_000)),
+            {1: int(rng.integers(1, 9e6)), 4: int(rng.integers(1, 9e6))},
+        )
+        net, cpu = float(rng.uniform(0, 0.2)), float(rng.uniform(0, 0.2))
+        prev = rng.choice(np.array([None, 1, 4, TEXT], dtype=object))
+        gbps = float(rng.choice([0.1, 1.0, 10.0]))
+        prices = _prices(ch, [1, 4, TEXT], gbps, costs)
+        for c in (1, 4, TEXT):
+            assert _at(net, cpu, prev, c, prices[c]) == _step(net, cpu, ch, c, gbps, costs, prev)
+            seen["batched"] += c != TEXT and prev == c and cpu > net + prices[c][0]
+            seen["idle"] += c != TEXT and cpu <= net + prices[c][0]
+        seen["text"] += 1
+    assert all(v > 20 for v in seen.values()), seen
+
+
+def test_a_chunk_that_arrives_just_as_the_compute_stage_frees_is_not_batched():
+    """The batched price only while the compute stage is still busy: at exactly the chunk's
+    arrival it is free, so the chunk is decoded alone (as _step does)."""
+    from cachegen.stream.planner import _soonest
+
+    price = (0.25, 1.0, 0.5)  # fetch, decode alone, batched: binary fractions, exact sums
+    assert _at(0.25, 0.5, 1, 1, price) == (0.5, 1.5)
+    assert _at(0.25, 0.625, 1, 1, price) == (0.5, 1.125)  # still busy: batched
+    assert _soonest(0.25, 0.5, 1, [1], {1: price}) == (0.5, 1.5, 1)
+    assert _soonest(0.25, 0.625, 1, [1], {1: price}) == (0.5, 1.125, 1)

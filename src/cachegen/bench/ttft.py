@@ -272,7 +272,8 @@ def run_ttft(
     also the ``adaptive`` method (:func:`time_adaptive` over :func:`adaptive_ladder`,
     its cost model measured before the clock runs and corrected by the decode times of its
     earlier loads, one untimed load per bandwidth first so that its estimator knows the link
-    and its rates this machine; its rows add ``formats``, the rungs it chose, and
+    and its rates the decode speeds beside this link's fetches (one estimator and one
+    :class:`ComputeRates` per bandwidth, each standing for one engine on its link); its rows add ``formats``, the rungs it chose, and
     ``size_bytes`` is what it fetched). Every row that loads a cache adds ``chunks``: per chunk of
     the reported run, its choice and when it was fetched and decoded (:func:`_chunk_times`).
     """
@@ -292,11 +293,15 @@ def run_ttft(
                 ladder = next(m.codec for m in staged if m.kind == "adaptive")
                 costs = adaptive_costs(model, ladder, kv, ctx, chunk_tokens, latency_s)
             vpt = kv.num_values // kv.num_tokens
-            rates = ComputeRates()  # one per machine, kept across loads (the engine keeps one)
             want = [max(1, recompute_repeats if m.kind == "recompute" else repeats) for m in staged]
             for gbps in bandwidths_gbps:
                 bench.set_bandwidth(gbps)
-                estimator = ThroughputEstimator()  # one per link, as the engine keeps it
+                # each bandwidth stands for one engine on its link, which keeps one estimator and one
+                # measure of its decode speeds across loads; the speeds depend on the link: a big
+                # fetch's read and checksum take a core from the decode beside it (at 10 Gbit/s an
+                # L7 decode took 24-35 ms beside 8-bit KV fetches, 15 ms alone)
+                estimator = ThroughputEstimator()
+                rates = ComputeRates()
                 for m in staged:
                     if m.kind == "adaptive":  # untimed: the estimator has seen this link once, as a server's has
                         time_method(model, bench, m, ctx, tail, costs, estimator, vpt, rates)

@@ -405,10 +405,13 @@ def decode_jobs(sections: list, threads: int, per_thread: int = 2) -> list[list]
     before, made a 256-token chunk's decode 19-23 ms on two threads, 4 jobs 14-17 ms, and 60 jobs of
     one section (where the AVX-512 decoder does not run) 26 ms against 16 ms. Two per thread rather
     than one, so that a thread slowed by other work (the loader's fetches) leaves its second job
-    to the other; ``tools/profile_decode_jobs.py`` measures it."""
+    to the other; ``tools/profile_decode.py --jobs-per-thread`` measures it."""
+    if not sections:
+        return []
     n_jobs = min(len(sections), 1 if threads <= 1 else max(1, per_thread) * threads)
-    bounds = [len(sections) * j // n_jobs for j in range(n_jobs + 1)] if n_jobs else [0]
-    return [sections[a:b] for a, b in pairwise(bounds) if b > a]
+    # n_jobs <= len(sections): every bound is past the one before, so no job is empty
+    bounds = [len(sections) * j // n_jobs for j in range(n_jobs + 1)]
+    return [sections[a:b] for a, b in pairwise(bounds)]
 
 
 def quant_levels() -> tuple[int, ...]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cachegen.stream.costs import TEXT, CostModel
+from cachegen.stream.protocols import Predicts
 
 Choice = int | str  # a level, or TEXT
 
@@ -34,6 +35,9 @@ Choice = int | str  # a level, or TEXT
 RISK_QUANTILE = 0.95
 FASTEST = "fastest"  # the policy that minimizes the load's time (see choose_fastest)
 FASTEST_HORIZON = 24  # chunks the fastest policy looks ahead (see choose_fastest)
+# The share of the predicted time a mix of formats must save over the best single format before the
+# fastest policy mixes (see choose_fastest).
+MIX_MARGIN = 0.10
 RECENCY_BOOST = 2  # levels better for the last chunk of a load (see with_recency_boost)
 
 FUTURES = 256  # futures per decision (~1 ms for 16 chunks and 7 levels)
@@ -128,8 +132,38 @@ def chunk_costs(
     return costs.fetch_s(chunk.sizes[level], gbps), costs.decode_s(level, chunk.num_values, batched)
 
 
+class _Memo:
+    """One decision's predictions, each computed once (the same values as ``costs``'s): the
+    chunks of a load have one size in values, so their decode predictions are the same few, and a
+    corrected model's costs a few microseconds (:class:`~cachegen.stream.compute_rates.ScaledCosts`)."""
+
+    def __init__(self, costs: Predicts):
+        self.costs = costs
+        self._fetch: dict[tuple[int, float], float] = {}
+        self._decode: dict[tuple[int, int, bool], float] = {}
+        self._recompute: dict[tuple[int, int], float] = {}
+
+    def fetch_s(self, nbytes: int, gbps: float) -> float:
+        key = (nbytes, gbps)
+        if key not in self._fetch:
+            self._fetch[key] = self.costs.fetch_s(nbytes, gbps)
+        return self._fetch[key]
+
+    def decode_s(self, level: int, num_values: int, batched: bool = False) -> float:
+        key = (level, num_values, batched)
+        if key not in self._decode:
+            self._decode[key] = self.costs.decode_s(level, num_values, batched)
+        return self._decode[key]
+
+    def recompute_s(self, prefix_tokens: int, n_tokens: int) -> float:
+        key = (prefix_tokens, n_tokens)
+        if key not in self._recompute:
+            self._recompute[key] = self.costs.recompute_s(prefix_tokens, n_tokens)
+        return self._recompute[key]
+
+
 def _step(
-    net: float, cpu: float, chunk: PlanChunk, choice: Choice, gbps: float, costs: CostModel, prev: Choice | None
+    net: float, cpu: float, chunk: PlanChunk, choice: Choice, gbps: float, costs: Predicts, prev: Choice | None
 ) -> tuple[float, float]:
     """(net, cpu) after ``chunk``: its fetch follows the last one; its compute starts when it has
     arrived and the compute before it is done. The loader decodes consecutive chunks of one level
@@ -325,7 +359,7 @@ def choose_adaptive(
     return min(fastest, key=lambda p: (p.total_s, p.finish_s))
 
 
-def useful_options(chunk: PlanChunk, costs: CostModel, allowed: Sequence[int] | None = None) -> list[Choice]:
+def useful_options(chunk: PlanChunk, costs: Predicts, allowed: Sequence[int] | None = None) -> list[Choice]:
     """:func:`options` less the stored levels that another one beats on both bytes and decode
     time (they can never end a load sooner): the few that matter to :func:`choose_fastest`."""
     lv = options(chunk, allowed, text=False)
@@ -337,25 +371,59 @@ def useful_options(chunk: PlanChunk, costs: CostModel, allowed: Sequence[int] | 
         )
         for o in lv
     }
-    keep = [
-        o
-        for o in lv
-        if not any(all(a <= b for a, b in zip(cost[p], cost[o])) and cost[p] != cost[o] for p in lv if p != o)
-    ]
-    return [*keep, TEXT]
+
+    def beaten(o: Choice) -> bool:
+        c = cost[o]
+        return any(p != o and q[0] <= c[0] and q[1] <= c[1] and q[2] <= c[2] and q != c for p, q in cost.items())
+
+    return [*(o for o in lv if not beaten(o)), TEXT]
+
+
+Price = tuple[float, float, float]  # a chunk at one option: fetch s, decode s, batched decode s
+
+
+def _prices(chunk: PlanChunk, choices: Sequence[Choice], gbps: float, costs: Predicts) -> dict[Choice, Price]:
+    """``chunk``'s :data:`Price` at each of ``choices`` (text: no fetch, its recompute twice)."""
+    out: dict[Choice, Price] = {}
+    for c in choices:
+        if c == TEXT:
+            r = costs.recompute_s(chunk.start, chunk.num_tokens)
+            out[c] = (0.0, r, r)
+        else:
+            lv = int(c)
+            out[c] = (
+                costs.fetch_s(chunk.sizes[lv], gbps),
+                costs.decode_s(lv, chunk.num_values),
+                costs.decode_s(lv, chunk.num_values, True),
+            )
+    return out
+
+
+def _at(net: float, cpu: float, prev: Choice | None, c: Choice, p: Price) -> tuple[float, float]:
+    """:func:`_step` at a precomputed price: the same floats, in the same order."""
+    if c == TEXT:
+        return net, cpu + p[1]
+    net = net + p[0]
+    return net, max(cpu, net) + (p[2] if cpu > net and prev == c else p[1])
 
 
 def _soonest(
-    net: float,
-    cpu: float,
-    chunk: PlanChunk,
-    choices: Sequence[Choice],
-    gbps: float,
-    costs: CostModel,
-    prev: Choice | None,
+    net: float, cpu: float, prev: Choice | None, choices: Sequence[Choice], prices: Mapping[Choice, Price]
 ) -> tuple[float, float, Choice]:
-    """(net, cpu, choice) after ``chunk`` at whichever of ``choices`` ends its compute soonest."""
-    return min(((*_step(net, cpu, chunk, c, gbps, costs, prev), c) for c in choices), key=lambda ncc: (ncc[1], ncc[0]))
+    """(net, cpu, choice) after a chunk at whichever of ``choices`` ends its compute soonest (then
+    frees the link soonest; ties to the earlier choice)."""
+    best: tuple[float, float, Choice] | None = None
+    for c in choices:
+        p = prices[c]
+        if c == TEXT:
+            n2, c2 = net, cpu + p[1]
+        else:
+            n2 = net + p[0]
+            c2 = max(cpu, n2) + (p[2] if cpu > n2 and prev == c else p[1])
+        if best is None or c2 < best[1] or (c2 == best[1] and n2 < best[0]):
+            best = (n2, c2, c)
+    assert best is not None  # every chunk has an option: text
+    return best
 
 
 def choose_fastest(
@@ -377,34 +445,63 @@ def choose_fastest(
     every later fetch, and a small, slow-to-decode one taken while the CPU is busy delays every
     later decode; what the user waits for is the end of the last chunk. The horizon bounds the
     work per decision (a 32K-token context has 128 chunks) where a few dozen chunks already
-    show which stage a choice holds up."""
+    show which stage a choice holds up.
+
+    A mix of formats is taken only when it is predicted to save at least :data:`MIX_MARGIN` of
+    the time of the best single format (the one that, kept for every chunk, ends soonest; this
+    chunk at it, then its best continuation), or when only the mix meets the deadline; otherwise
+    this chunk takes that format. Why: what the model leaves out costs a mix, not a single format: a big fetch's
+    store read and checksum take a core from the decode beside it (at 10 Gbit/s a 3 MB 8-bit
+    chunk's read keeps the fetch thread busy, and an L7 decode beside it took 24-35 ms against
+    15 ms alone), and a chunk of another format splits a batched decode. At 10 Gbit/s the plan
+    took L7 for the first two chunks for a predicted 3 ms (5%) and ended its load 25 ms after
+    8-bit KV alone; with a 5% margin it still took L7 for the first chunk, whose decode beside the
+    8-bit fetches took 55 ms, and ended its load at 0.129 s against 0.101 s for 8-bit KV alone."""
     if not remaining:
         raise ValueError("no chunk to plan")
+    # Each chunk's price at each option is computed once and the continuations step through them
+    # inline (:func:`_at`, :func:`_soonest`): a decision runs on the fetch thread between two
+    # fetches, and with a call into the cost model per step (about 700 a decision for 16 chunks)
+    # it took 1.4-1.9 ms, more than a fifth of a 3 MB fetch at 10 Gbit/s; now about 0.4 ms.
     tg = gbps if tail_gbps is None else tail_gbps
     window = remaining[: horizon + 1]
-    opts = [useful_options(ch, costs, allowed) for ch in window]
+    memo = _Memo(costs)
+    opts = [useful_options(ch, memo, allowed) for ch in window]
     formats = [o for o in opts[0] if o != TEXT]
-    best: Prediction | None = None
+    # every price the continuations below read, computed once: the format a continuation keeps
+    # may be one that useful_options dropped for a later chunk
+    prices = [
+        _prices(ch, [*chs, *(f for f in formats if f not in chs and f in ch.sizes)], gbps if j == 0 else tg, memo)
+        for j, (ch, chs) in enumerate(zip(window, opts))
+    ]
+    rest = list(zip(opts[1:], prices[1:]))
+    preds: dict[Choice, Prediction] = {}
+    single: dict[Choice, float] = {}  # this chunk and the rest at one format: the predicted end
     for o in opts[0]:
-        net0, cpu0 = _step(state.net_busy_s, state.cpu_busy_s, window[0], o, gbps, costs, state.prev)
+        net0, cpu0 = _at(state.net_busy_s, state.cpu_busy_s, state.prev, o, prices[0][o])
         ends = []
         net, cpu, prev = net0, cpu0, o
-        for ch, chs in zip(window[1:], opts[1:]):  # greedy
-            net, cpu, prev = _soonest(net, cpu, ch, chs, tg, costs, prev)
+        for chs, ps in rest:  # greedy
+            net, cpu, prev = _soonest(net, cpu, prev, chs, ps)
         ends.append(cpu)
         for f in formats:  # one format for the rest (a chunk without it: its greedy option)
             net, cpu, prev = net0, cpu0, o
-            for ch, chs in zip(window[1:], opts[1:]):
-                if f in ch.sizes:
-                    net, cpu = _step(net, cpu, ch, f, tg, costs, prev)
+            for chs, ps in rest:
+                if f in ps:
+                    net, cpu = _at(net, cpu, prev, f, ps[f])
                     prev = f
                 else:
-                    net, cpu, prev = _soonest(net, cpu, ch, chs, tg, costs, prev)
+                    net, cpu, prev = _soonest(net, cpu, prev, chs, ps)
             ends.append(cpu)
+            if f == o:
+                single[o] = cpu
         total = min(ends)
-        if best is None or total < best.total_s:
-            best = Prediction(o, cpu0, total, total <= state.time_left_s)
-    assert best is not None  # useful_options() always holds TEXT
+        preds[o] = Prediction(o, cpu0, total, total <= state.time_left_s)
+    best = min(preds.values(), key=lambda p: p.total_s)  # ties: the better (earlier) option
+    if single:
+        one = preds[min(single, key=single.__getitem__)]
+        if best.choice != one.choice and best.total_s > (1 - MIX_MARGIN) * one.total_s and (one.fits or not best.fits):
+            return one
     return best
 
 

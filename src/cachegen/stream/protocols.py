@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from cachegen.kv import KVCache
     from cachegen.store import ChunkInfo, ChunkRef
 
-__all__ = ["ChunkCodec", "ChunkSource", "Clock", "Link", "Recompute"]
+__all__ = ["ChunkCodec", "ChunkSource", "Clock", "Link", "Predicts", "Recompute"]
 
 
 @runtime_checkable
@@ -55,3 +55,15 @@ class Clock(Protocol):
     """Seconds, monotonic: ``time.perf_counter`` or a :class:`~cachegen.stream.pipeline.VirtualClock`."""
 
     def __call__(self) -> float: ...
+
+
+class Predicts(Protocol):
+    """What the planner's pipeline model asks of a cost model: :class:`~cachegen.stream.costs.CostModel`
+    (and its corrected form, :class:`~cachegen.stream.compute_rates.ScaledCosts`), or the planner's
+    memo over one for the length of a decision."""
+
+    def fetch_s(self, nbytes: int, gbps: float) -> float: ...
+
+    def decode_s(self, level: int, num_values: int, batched: bool = False) -> float: ...
+
+    def recompute_s(self, prefix_tokens: int, n_tokens: int) -> float: ...
