@@ -184,6 +184,7 @@ MODULES: tuple[Module, ...] = (
             "tests/stream/test_loader_options.py",
             "tests/stream/test_planner_oracles.py",
             "tests/stream/test_loader_batch.py",
+            "tests/stream/test_fetch_cpu.py",
             # the real codec's test compiles its numba kernels in the mutated copy (38 s in mutmut's
             # stats), and mutmut runs it for every mutant of load(): the toy codec's tests hold the loader
             "-k",
@@ -203,6 +204,7 @@ MODULES: tuple[Module, ...] = (
             "tests/stream/test_planner_fastest.py",
             "tests/stream/test_fastest.py",
             "tests/stream/test_batched_costs.py",
+            "tests/stream/test_fetch_cpu.py",
             *_FAST,
         ),
         "H2",
@@ -455,7 +457,10 @@ _RANS_EQUIVALENT = {
 _NOTEXT = "text=None is false like text=False: options() leaves TEXT out"
 _PREVTEXT = "prev TEXT or None: neither is a level, so no chunk after it joins a batch either way"
 _NETONLY = "chunk_costs' one caller (choose_rule) reads only the network seconds"
-_TEXTPRICE = "text's price holds its recompute as both decode prices, and the text steps read neither its fetch nor the batched one"
+_TEXTPRICE = (
+    "text's price holds its recompute as both decode prices, and the text steps read neither its fetch, its fetch's CPU"
+    " nor the batched one"
+)
 _PLANNER_EQUIVALENT = {
     "x_lift__mutmut_2": "boost 0 passes the check: lv[max(0, lv.index(level) - 0)] is the level itself",
     "x_lift__mutmut_8": _NOTEXT,
@@ -483,6 +488,7 @@ _PLANNER_EQUIVALENT = {
     "x_decide__mutmut_120": "finish_quantile reads one column of futures per later chunk: the two extra are never read",
     "x__at__mutmut_3": _TEXTPRICE,
     "x__prices__mutmut_9": _TEXTPRICE,
+    "x__prices__mutmut_10": _TEXTPRICE,
     "x__soonest__mutmut_6": _TEXTPRICE,
 }
 _DRAIN = (
@@ -490,17 +496,22 @@ _DRAIN = (
     " or the fetch stage's end, which the loop never reaches: it stops after its n messages"
 )
 _LOADER_EQUIVALENT = {
-    "xǁ_Loadǁcompute_stage__mutmut_99": _DRAIN,
-    "xǁ_Loadǁcompute_stage__mutmut_100": _DRAIN,
-    "xǁ_Loadǁcompute_stage__mutmut_136": "go_on is set by the loop over the batch, which is never empty",
-    "xǁ_Loadǁcompute_stage__mutmut_137": "go_on is set by the loop over the batch, which is never empty",
-    "xǁ_Loadǁdecode_batch__mutmut_27": _ZIP,
+    "xǁ_Loadǁcompute_stage__mutmut_103": _DRAIN,
+    "xǁ_Loadǁcompute_stage__mutmut_104": _DRAIN,
+    "xǁ_Loadǁcompute_stage__mutmut_140": "go_on is set by the loop over the batch, which is never empty",
+    "xǁ_Loadǁcompute_stage__mutmut_141": "go_on is set by the loop over the batch, which is never empty",
     "xǁ_Loadǁbook__mutmut_1": "every caller passes joins",
-    "xǁ_Loadǁcompute_stage__mutmut_96": "a batch tried where none can be made (before the cache exists, or with a codec"
+    "xǁ_Loadǁcompute_stage__mutmut_100": "a batch tried where none can be made (before the cache exists, or with a codec"
     " that decodes one chunk at a time) fails at once with a LoaderError and its chunks are decoded one by one: the"
     " same cache, the same decisions",
     "xǁ_Loadǁdecode_batch__mutmut_30": _ZIP,
-    "xǁ_Loadǁdecode_batch__mutmut_31": _ZIP,
+    "xǁ_Loadǁdecode_batch__mutmut_33": _ZIP,
+    "xǁ_Loadǁdecode_batch__mutmut_34": _ZIP,
+    "xǁ_Loadǁdecode_batch__mutmut_69": _ZIP,
+    "xǁ_Loadǁdecode_batch__mutmut_72": _ZIP,
+    "xǁ_Loadǁdecode_batch__mutmut_73": _ZIP,
+    "xǁ_Loadǁdecode_batch__mutmut_86": "a call priced at 0 has every chunk's prediction 0, which observe() ignores"
+    " whatever the measured time",
     "xǁ_Loadǁplan_costs__mutmut_6": "replace() with the latency the model already has is an equal copy of it",
 }
 _SQLCASE = "SQL keywords, identifiers, pragma names and values are case-insensitive; no quoted literal changes"

@@ -49,9 +49,12 @@ def make_chunks(n: int, sizes: dict[int, int] = SIZES, tokens: int = TOKENS, fir
 def step(net: float, cpu: float, c: PlanChunk, o, gbps: float, costs: CostModel, prev=None) -> tuple[float, float]:
     """(link free, compute free) after chunk ``c`` at option ``o``; a chunk that arrives before the
     compute stage is free, after one of its own level (``prev``), joins that chunk's batch: it is
-    decoded at its batched cost."""
+    decoded at its batched cost. A fetch that starts while the compute stage is still busy adds its
+    CPU time to that stage's work."""
     if o == TEXT:
         return net, cpu + costs.recompute_s(c.start, c.num_tokens)
+    if net < cpu:
+        cpu = cpu + costs.fetch_cpu_s(c.sizes[o])
     net = net + costs.fetch_s(c.sizes[o], gbps)
     joins = net < cpu and prev == o
     return net, max(cpu, net) + costs.decode_s(o, c.num_values, batched=joins)

@@ -116,6 +116,9 @@ def random_case(rng: random.Random):
     )
     allowed = rng.choice([None, None, tuple(rng.sample(range(4), 2))])
     horizon = rng.choice([0, 1, 2, 3, 24])
+    # half the cases: a fetch that begins while the compute stage is busy takes CPU from it (picked
+    # by the rate's digits, not drawn: every case is the one the draws above always gave)
+    costs.fetch_cpu_s_per_mb = (0.0, 0.0, 0.002, 0.05)[int(gbps * 1e6) % 4]
     return chunks, gbps, costs, state, allowed, tail, horizon
 
 

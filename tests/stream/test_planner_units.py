@@ -235,9 +235,11 @@ def test_a_step_at_a_precomputed_price_is_the_step():
     text and levels, batched or not, from idle and busy pipelines, at the batched price only
     after a chunk of the same level that the compute stage is still busy with."""
     rng = np.random.default_rng(7)
-    costs = replace(COSTS, decode_batched_s_per_mvalue={1: 0.004, 4: 0.009})
-    seen = {"batched": 0, "text": 0, "idle": 0}
-    for _ in range(300):
+    quiet = replace(COSTS, decode_batched_s_per_mvalue={1: 0.004, 4: 0.009})
+    stealing = replace(quiet, fetch_cpu_s_per_mb=0.0015)
+    seen = {"batched": 0, "text": 0, "idle": 0, "stolen": 0}
+    for i in range(300):
+        costs = stealing if i % 2 else quiet
         ch = PlanChunk(
             3,
             int(rng.integers(0, 4096)),
@@ -253,6 +255,7 @@ def test_a_step_at_a_precomputed_price_is_the_step():
             assert _at(net, cpu, prev, c, prices[c]) == _step(net, cpu, ch, c, gbps, costs, prev)
             seen["batched"] += c != TEXT and prev == c and cpu > net + prices[c][0]
             seen["idle"] += c != TEXT and cpu <= net + prices[c][0]
+            seen["stolen"] += c != TEXT and cpu > net and costs is stealing
         seen["text"] += 1
     assert all(v > 20 for v in seen.values()), seen
 
@@ -262,8 +265,31 @@ def test_a_chunk_that_arrives_just_as_the_compute_stage_frees_is_not_batched():
     arrival it is free, so the chunk is decoded alone (as _step does)."""
     from cachegen.stream.planner import _soonest
 
-    price = (0.25, 1.0, 0.5)  # fetch, decode alone, batched: binary fractions, exact sums
+    price = (0.25, 1.0, 0.5, 0.0)  # fetch, decode alone, batched, fetch CPU: binary fractions, exact sums
     assert _at(0.25, 0.5, 1, 1, price) == (0.5, 1.5)
     assert _at(0.25, 0.625, 1, 1, price) == (0.5, 1.125)  # still busy: batched
     assert _soonest(0.25, 0.5, 1, [1], {1: price}) == (0.5, 1.5, 1)
     assert _soonest(0.25, 0.625, 1, [1], {1: price}) == (0.5, 1.125, 1)
+
+
+def test_a_fetch_that_begins_while_the_compute_stage_is_busy_adds_its_cpu_time_to_it():
+    """The fetch's CPU time joins the compute stage's work only when that stage is busy as the
+    fetch begins; it can then keep the stage busy past the chunk's arrival (a batched decode)."""
+    from cachegen.stream.planner import _soonest
+
+    price = (0.25, 1.0, 0.5, 0.125)
+    assert _at(0.25, 0.5, 1, 1, price) == (0.5, 1.125)  # 0.5 + 0.125 > 0.5: busy at arrival, batched
+    assert _at(0.25, 0.375, 1, 1, price) == (0.5, 1.5)  # 0.375 + 0.125 = arrival: free, alone
+    assert _at(0.25, 0.25, 1, 1, price) == (0.5, 1.5)  # free as the fetch begins: nothing taken
+    assert _at(0.25, 0.875, 4, 1, price) == (0.5, 2.0)  # busy, another level: 0.875 + 0.125 + 1.0
+    assert _soonest(0.25, 0.5, 1, [1], {1: price}) == (0.5, 1.125, 1)
+    assert _soonest(0.25, 0.375, 1, [1], {1: price}) == (0.5, 1.5, 1)
+    assert _soonest(0.25, 0.875, 4, [1], {1: price}) == (0.5, 2.0, 1)
+    assert _at(0.25, 2.0, 1, TEXT, price) == (0.25, 3.0)  # a recompute fetches nothing
+    # a fetch shorter than its CPU time: taken only from a stage busy as it begins, not one that
+    # frees just then (it would then be busy at the chunk's arrival, and batch it)
+    short = (0.125, 1.0, 0.5, 0.25)
+    assert _at(0.25, 0.25, 1, 1, short) == (0.375, 1.375)
+    assert _soonest(0.25, 0.25, 1, [1], {1: short}) == (0.375, 1.375, 1)
+    assert _at(0.25, 0.375, 1, 1, short) == (0.375, 1.125)  # 0.625 at arrival: batched
+    assert _soonest(0.25, 0.375, 1, [1], {1: short}) == (0.375, 1.125, 1)

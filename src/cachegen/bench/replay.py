@@ -118,12 +118,13 @@ class _VirtualWork:
         self, datas: Sequence[bytes], out: KVCache, sizes: Sequence[int], *, keys: Sequence[str | None] | None = None
     ) -> KVCache:
         """Consecutive chunks in one call, as the project codec decodes chunks that waited in the
-        loader's queue: each takes its batched compute time."""
+        loader's queue: the first takes its compute time alone (the call's fixed part), each
+        other one its batched share."""
         if keys is None or any(k is None or k not in self._pos for k in keys):
             raise ConfigError("the replay's codec needs the chunk keys")
-        for k in keys:
+        for j, k in enumerate(keys):
             p = self._pos[cast(str, k)]
-            self.clock.sleep(self._true(p, self._level[cast(str, k)], batched=True))
+            self.clock.sleep(self._true(p, self._level[cast(str, k)], batched=j > 0))
             c = self.chunks[p]
             out.slice(c.start, c.start + c.num_tokens).write(self._stand_in(c.start, c.num_tokens))
         return out

@@ -11,7 +11,11 @@ that was really bound by the link, and ended it 20% later than one level alone.
 
 :class:`ComputeRates` keeps the ratio of measured to predicted seconds of the last few
 decodes per format (and of recomputes), and :meth:`ComputeRates.corrected` scales the cost
-model by their median. Keep one per loader's machine and model across loads, as the link's
+model by their median. It also keeps what a decode loses per MB fetched beside it (the fetch
+thread's read and checksum take CPU from the decode pool, :meth:`CostModel.fetch_cpu_s`): the
+loader takes that loss out of a decode's measured seconds before it learns from them, so a level
+decoded only beside big fetches is not taken for a slow level. Keep one per loader's machine and
+model across loads, as the link's
 :class:`~cachegen.stream.estimator.ThroughputEstimator` is kept: the next load starts from
 what the last one measured. The loader applies it to the ``fastest`` policy only: a deadline
 policy keeps the calibrated model and its headroom, since a prediction that is right only
@@ -23,8 +27,11 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from functools import partial
 
 from cachegen.errors import ConfigError
 from cachegen.stream.costs import TEXT, CostModel
@@ -33,6 +40,16 @@ from cachegen.stream.costs import TEXT, CostModel
 # or a garbage collection says little about the next, and a hostile clock cannot scale the plan
 # by more than this.
 MIN_RATIO, MAX_RATIO = 0.2, 5.0
+
+# The compute seconds a busy compute stage loses per CPU second the fetch thread spends beside it.
+# Not 1: the decode pool's threads keep running on the other cores. Measured on 2 cores
+# (docs/streaming.md): beside a fetch thread busy 22-77% of a core, L7 decodes ran 0.27-0.8 s
+# longer per CPU second of the fetches; at 1 the loader took more than a whole decode's time out
+# of the 8-bit KV decodes beside 10 Gbit/s fetches, and they looked 5x too fast.
+FETCH_CPU_SHARE = 0.5
+# A smaller fetch says little about the CPU per MB: a store's fixed work per request (a SQLite
+# query, a round trip) dominates it, and 0.2 ms for 20 kB would predict 30 ms for 3 MB.
+MIN_FETCH_BYTES = 1 << 16
 
 
 @dataclass
@@ -65,6 +82,7 @@ class ComputeRates:
             raise ConfigError("window must be >= 1")
         self.window = window
         self._ratios: dict[int | str, deque[float]] = {}
+        self._fetch_cpu: deque[float] = deque(maxlen=window)  # CPU seconds per MB of recent fetches
         self._lock = threading.Lock()
 
     def observe(self, choice: int | str, predicted_s: float, measured_s: float) -> None:
@@ -78,15 +96,30 @@ class ComputeRates:
         with self._lock:
             self._ratios.setdefault(key, deque(maxlen=self.window)).append(ratio)
 
+    def observe_fetch(self, nbytes: int, cpu_s: float) -> None:
+        """Record one fetch of ``nbytes`` that took ``cpu_s`` seconds of its thread's CPU (a busy
+        compute stage beside it loses :data:`FETCH_CPU_SHARE` of that). Ignores a fetch too small
+        to say much (under :data:`MIN_FETCH_BYTES`) and a sample that cannot be a time."""
+        if nbytes < MIN_FETCH_BYTES or not math.isfinite(cpu_s) or cpu_s < 0:
+            return
+        with self._lock:
+            self._fetch_cpu.append(FETCH_CPU_SHARE * cpu_s / (nbytes / 1e6))
+
+    def fetch_cpu_s_per_mb(self) -> float | None:
+        """What a busy compute stage loses per MB fetched beside it: the median over recent fetches
+        of :data:`FETCH_CPU_SHARE` times their CPU seconds per MB; None before the first."""
+        with self._lock:
+            return statistics.median(self._fetch_cpu) if self._fetch_cpu else None
+
     def _snapshot(self) -> dict[int | str, list[float]]:
         with self._lock:
             return {k: list(d) for k, d in self._ratios.items()}
 
     @property
     def known(self) -> bool:
-        """Whether any sample has been recorded."""
+        """Whether any decode, recompute or fetch has been recorded."""
         with self._lock:
-            return bool(self._ratios)
+            return bool(self._ratios) or bool(self._fetch_cpu)
 
     def factor(self, choice: int | str) -> float:
         """The median ratio for ``choice``; a level without samples: :meth:`pooled_factor`; text without: 1."""
@@ -97,12 +130,16 @@ class ComputeRates:
         return _pooled(self._snapshot())
 
     def corrected(self, costs: CostModel) -> CostModel:
-        """``costs`` with every decode and recompute prediction scaled by its :meth:`factor`
-        (``costs`` itself when nothing has been measured yet); all factors from one snapshot."""
+        """``costs`` with every decode and recompute prediction scaled by its :meth:`factor` and the
+        fetches' CPU time per MB as measured (``costs`` itself when nothing has been measured yet);
+        all factors from one snapshot."""
         snap = self._snapshot()
-        if not snap:
+        fetch_cpu = self.fetch_cpu_s_per_mb()
+        if not snap and fetch_cpu is None:
             return costs
         base = {f.name: getattr(costs, f.name) for f in fields(CostModel)}
+        if fetch_cpu is not None:
+            base["fetch_cpu_s_per_mb"] = fetch_cpu
         return ScaledCosts(
             **base,
             decode_scale={int(k): _factor(snap, k) for k in snap if k != TEXT},
@@ -121,3 +158,33 @@ def _factor(snap: dict[int | str, list[float]], key: int | str) -> float:
     if own:
         return statistics.median(own)
     return 1.0 if key == TEXT else _pooled(snap)
+
+
+def thread_cpu_clock() -> Callable[[], float | None] | None:
+    """A function that reads the calling thread's CPU seconds from any thread (None once the
+    thread has ended and its clock is gone); None where the platform cannot read another thread's
+    CPU clock.
+
+    The loader's compute stage reads its fetch thread's clock around each decode: the difference is
+    the CPU the fetches took while that decode ran (the decode's own threads are not counted)."""
+    try:
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+        time.clock_gettime(clock)
+    except (AttributeError, OSError):  # not a POSIX platform, or no per-thread CPU clocks
+        return None
+    return partial(_read_clock, clock)
+
+
+def _read_clock(clock: int) -> float | None:
+    try:
+        return time.clock_gettime(clock)
+    except OSError:  # the thread has ended and the system has let go of it
+        return None
+
+
+def cpu_timed(fn: Callable[[], object]) -> tuple[object, float]:
+    """``(fn(), CPU seconds the calling thread spent in it)``: a fetch's read and checksum, not
+    its wait on the link."""
+    t = time.thread_time()
+    out = fn()
+    return out, time.thread_time() - t

@@ -42,6 +42,9 @@ class CostModel:
     recompute_s_per_token: float = 1.0e-3
     recompute_s_per_token_ctx: float = 2.0e-7
     fetch_latency_s: float = 0.001  # per request, on top of bytes / bandwidth
+    # CPU seconds a fetch spends per MB (the store's read and checksum, a socket's copies), which a
+    # compute stage busy beside it loses: learned from the loader's fetches (ComputeRates), 0 until then
+    fetch_cpu_s_per_mb: float = 0.0
     # copying decoded values into the cache (a codec without decode_into: its whole chunk; KVCache.concat)
     stitch_bytes_per_s: float = 1.5e9
     source: str = "defaults"
@@ -78,6 +81,16 @@ class CostModel:
         if gbps <= 0:
             return float("inf")
         return self.fetch_latency_s + nbytes * 8 / (gbps * 1e9)
+
+    def fetch_cpu_s(self, nbytes: int) -> float:
+        """The CPU time a fetch of ``nbytes`` takes from the cores the decodes run on.
+
+        Why it matters: on a small machine the fetch thread's read and checksum share the cores with
+        the decode pool, so a decode beside a big fetch ends later by about that time (measured on 2
+        cores: a 3 MB fetch of 8-bit KV spent 4.4-5.5 ms of CPU, and an L7 decode beside such fetches
+        took 30-36 ms against 21 ms alone). A plan that mixes big, cheap-to-decode chunks with small,
+        slow-to-decode ones pays it on every decode the big fetches overlap."""
+        return self.fetch_cpu_s_per_mb * nbytes / 1e6
 
     # -- persistence ---------------------------------------------------------
     def to_json(self) -> dict:

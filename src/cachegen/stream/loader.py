@@ -39,7 +39,7 @@ import torch
 from cachegen.errors import ConfigError, CorruptChunk, LoaderError
 from cachegen.kv import KVCache
 from cachegen.store.url import redact
-from cachegen.stream.compute_rates import ComputeRates
+from cachegen.stream.compute_rates import FETCH_CPU_SHARE, ComputeRates, cpu_timed, thread_cpu_clock
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import DirectLink
@@ -471,6 +471,9 @@ class _Load:
         self.limit = t0 + (slo - self.o.reserve_s) if slo is not None else math.inf
         self.cpu = _CpuBook(loader.clock, t0)
         self.booked: dict[int, float] = {}  # per position: the compute seconds booked when it was queued
+        # the fetch thread's CPU clock (set by the fetch stage when it runs in a thread of its own)
+        self.fetch_cpu: Callable[[], float | None] | None = None
+        self.consumer = threading.current_thread()  # the compute stage runs in the caller's thread
 
     def now(self) -> float:
         return self.l.clock() - self.t0
@@ -532,10 +535,22 @@ class _Load:
         stage books every chunk before it sends it)."""
         self.cpu.started(self.booked.pop(pos))
 
-    def measured(self, chunk: PlanChunk, choice: Choice, seconds: float, batched: bool = False) -> None:
-        """Teach the loader's rates one chunk's compute time, against the uncorrected model (its
-        batched prediction for a chunk's share of a batch)."""
-        self.l.rates.observe(choice, self.predicted(self.l.costs, chunk, choice, batched), seconds)
+    def measured(self, chunk: PlanChunk, choice: Choice, seconds: float, stolen: float = 0.0) -> None:
+        """Teach the loader's rates one chunk's compute time (decoded alone, or recomputed) against
+        the uncorrected model, less what ``stolen``, the CPU the fetches took while it ran, cost it:
+        the planner charges that to the fetches (:meth:`CostModel.fetch_cpu_s`)."""
+        predicted = self.predicted(self.l.costs, chunk, choice)
+        self.l.rates.observe(choice, predicted, max(seconds - FETCH_CPU_SHARE * stolen, 0.0))
+
+    def fetch_cpu_now(self) -> float | None:
+        """The fetch thread's CPU seconds so far; None when it cannot be read from here (no clock,
+        the fetch stage runs in this thread, or it has ended)."""
+        return self.fetch_cpu() if self.fetch_cpu is not None else None
+
+    def stolen_since(self, mark: float | None) -> float:
+        """The fetch thread's CPU seconds since ``mark`` (a :meth:`fetch_cpu_now`); 0 when unknown."""
+        now = self.fetch_cpu_now()
+        return max(now - mark, 0.0) if now is not None and mark is not None else 0.0
 
     def choose(self, plan: LoadPlan, k: int, prev: Choice | None, costs: CostModel) -> tuple[Choice, float]:
         """The choice for the ``k``-th chunk in fetch order by ``costs``, and the estimate it was made with."""
@@ -573,6 +588,10 @@ class _Load:
         yield Send(Planned(plan))
         if not plan.chunks:
             return
+        # in a thread of its own (not replayed in virtual time), the fetches' CPU is the decodes' loss
+        threaded = threading.current_thread() is not self.consumer
+        if threaded:
+            self.fetch_cpu = thread_cpu_clock()
         self.l.link.begin()
         deferred: TextChosen | None = None
         prev: Choice | None = None
@@ -593,7 +612,8 @@ class _Load:
             ref = plan.infos[pos].ref
             start = self.now()
             try:
-                data = yield Call(partial(self.l.link.fetch, partial(self.l.get, until=self.limit), ref, level))
+                fetch = partial(self.l.link.fetch, partial(self.l.get, until=self.limit), ref, level)
+                data, cpu_s = yield Call(partial(cpu_timed, fetch))
                 nbytes = len(data)
             except Exception as e:  # every fetch failure is a fault: the chunk is recomputed
                 self.trace(e)
@@ -603,6 +623,8 @@ class _Load:
                 return
             end = self.now()
             self.l.estimator.record_fetch(nbytes, end - start)
+            if threaded:
+                self.l.rates.observe_fetch(nbytes, cpu_s)
             measured = self.l.estimator.add(nbytes, transfer_s(end - start, costs.fetch_latency_s))
             self.book(pos, chunk, level, costs, joins=before == level)
             yield Send(Fetched(pos, level, est, start, end, data, measured))
@@ -642,6 +664,7 @@ class _Load:
                 d.choice, d.reason = TEXT, msg.reason
                 self.start(msg.pos)
                 d.decode_start = self.now()
+                mark = self.fetch_cpu_now()
                 ref = plan.infos[msg.pos].ref
                 if any(j not in got for j in range(msg.pos)):  # text comes in order, the early chunk last
                     raise LoaderError(f"chunk {msg.pos} is to be recomputed before the chunks ahead of it")
@@ -652,7 +675,7 @@ class _Load:
                 got.add(msg.pos)
                 d.decode_end = self.now()
                 d.decode_s = d.decode_end - d.decode_start
-                self.measured(chunks[msg.pos], TEXT, d.decode_s)
+                self.measured(chunks[msg.pos], TEXT, d.decode_s, stolen=self.stolen_since(mark))
                 continue
             if isinstance(msg, Fetched):
                 batch = [msg]
@@ -729,25 +752,40 @@ class _Load:
         """Decode consecutive fetched chunks in one call (:meth:`StreamingLoader.decode_many_into`):
         True when they are all in the cache. Each chunk's decode time is the batch's, shared by
         tokens. On a failure nothing is recorded (the chunks' compute is started): the caller
-        decodes them one by one, which finds the chunk at fault and rewrites each range."""
+        decodes them one by one, which finds the chunk at fault and rewrites each range.
+
+        The rates learn the call against the pipeline model's price for it: the first chunk alone,
+        the others at their batched share. Why not each chunk at its batched share: a call's
+        fixed part is paid once, so a short call costs far more per chunk than a long one (SmolLM2
+        L7 on 2 cores: 25-32 ms a chunk one per call, 12.4 ms sixteen in one call), and measured
+        that way the calls of two or three chunks of a mixed plan taught a factor near 2, which
+        then priced a load of L7 alone (one call of 15 chunks) at 24 ms a chunk. The CPU the
+        fetches took meanwhile is taken out first, as in :meth:`measured`."""
         for m in batch:
             self.record_fetch(decisions[m.pos], m)
             self.start(m.pos)
         refs = [plan.infos[m.pos].ref for m in batch]
         t = self.now()
+        mark = self.fetch_cpu_now()
         try:
             yield Call(partial(cache.decode_many, self.l, [m.data for m in batch], refs))
         except Exception as e:  # decoded again one by one, where the fault is reported
             self.trace(e)
             return False
         t_end = self.now()
+        stolen = self.stolen_since(mark)
         total = refs[-1].end - refs[0].start
         for m, ref in zip(batch, refs, strict=True):
             d = decisions[m.pos]
             d.decode_start, d.decode_end = t, t_end
             d.decode_s = (t_end - t) * (ref.end - ref.start) / total
             got.add(m.pos)
-            self.measured(plan.chunks[m.pos], m.level, d.decode_s, batched=True)
+        costs = self.l.costs
+        preds = [self.predicted(costs, plan.chunks[m.pos], m.level, batched=j > 0) for j, m in enumerate(batch)]
+        whole = sum(preds)
+        left = max(t_end - t - FETCH_CPU_SHARE * stolen, 0.0)
+        for m, p in zip(batch, preds, strict=True):  # each chunk: the call's measured / predicted
+            self.l.rates.observe(m.level, p, left * p / whole if whole > 0 else 0.0)
         return True
 
     def decode_fetched(
@@ -768,6 +806,7 @@ class _Load:
         if not started:
             self.start(msg.pos)
         d.decode_start = self.now()
+        mark = self.fetch_cpu_now()
         ref = plan.infos[msg.pos].ref
         # the first decode also allocates the whole cache: not a decode time to learn from
         typical = cache.kv is not None
@@ -782,7 +821,7 @@ class _Load:
         if fault is None:
             got.add(msg.pos)
             if typical:
-                self.measured(plan.chunks[msg.pos], msg.level, d.decode_s)
+                self.measured(plan.chunks[msg.pos], msg.level, d.decode_s, stolen=self.stolen_since(mark))
             return True
         failed.add(msg.pos)
         self.fault(res, fault)

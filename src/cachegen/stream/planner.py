@@ -142,6 +142,7 @@ class _Memo:
     def __init__(self, costs: Predicts):
         self.costs = costs
         self.fetch_s = costs.fetch_s
+        self.fetch_cpu_s = costs.fetch_cpu_s
         self.recompute_s = costs.recompute_s
         self._decode: dict[tuple[int, int, bool], float] = {}
 
@@ -158,11 +159,15 @@ def _step(
     """(net, cpu) after ``chunk``: its fetch follows the last one; its compute starts when it has
     arrived and the compute before it is done. The loader decodes consecutive chunks of one level
     that wait in its queue in one call: a chunk that arrives while the compute stage is still busy,
-    after one of its level (``prev``), costs its batched share."""
+    after one of its level (``prev``), costs its batched share. A fetch that begins while the compute
+    stage is busy takes its CPU time (:meth:`CostModel.fetch_cpu_s`) from that stage's work."""
     if choice == TEXT:
         return net, cpu + costs.recompute_s(chunk.start, chunk.num_tokens)
     level = int(choice)
-    net = net + costs.fetch_s(chunk.sizes[level], gbps)
+    nbytes = chunk.sizes[level]
+    if cpu > net:
+        cpu = cpu + costs.fetch_cpu_s(nbytes)
+    net = net + costs.fetch_s(nbytes, gbps)
     return net, max(cpu, net) + costs.decode_s(level, chunk.num_values, cpu > net and prev == choice)
 
 
@@ -261,6 +266,7 @@ def finish_quantile(
             continue
         spb = head_s_per_bit if j == 0 else tail_s_per_bit[:, j - 1]
         level = int(o)
+        cpu = np.where(cpu > net, cpu + costs.fetch_cpu_s(ch.sizes[level]), cpu)  # as :func:`_step`
         net = net + (costs.fetch_latency_s + 8 * ch.sizes[level] * spb)
         single = costs.decode_s(level, ch.num_values)
         batched = costs.decode_s(level, ch.num_values, True) if prev == o else single  # as :func:`_step`
@@ -369,7 +375,8 @@ def useful_options(chunk: PlanChunk, costs: Predicts, allowed: Sequence[int] | N
     return [*(o for o in lv if not beaten(o)), TEXT]
 
 
-Price = tuple[float, float, float]  # a chunk at one option: fetch s, decode s, batched decode s
+# a chunk at one option: fetch s, decode s, batched decode s, the fetch's CPU s (text: 0, r, r, 0)
+Price = tuple[float, float, float, float]
 
 
 def _prices(chunk: PlanChunk, choices: Sequence[Choice], gbps: float, costs: Predicts) -> dict[Choice, Price]:
@@ -378,13 +385,14 @@ def _prices(chunk: PlanChunk, choices: Sequence[Choice], gbps: float, costs: Pre
     for c in choices:
         if c == TEXT:
             r = costs.recompute_s(chunk.start, chunk.num_tokens)
-            out[c] = (0.0, r, r)
+            out[c] = (0.0, r, r, 0.0)
         else:
             lv = int(c)
             out[c] = (
                 costs.fetch_s(chunk.sizes[lv], gbps),
                 costs.decode_s(lv, chunk.num_values),
                 costs.decode_s(lv, chunk.num_values, True),
+                costs.fetch_cpu_s(chunk.sizes[lv]),
             )
     return out
 
@@ -393,6 +401,8 @@ def _at(net: float, cpu: float, prev: Choice | None, c: Choice, p: Price) -> tup
     """:func:`_step` at a precomputed price: the same floats, in the same order."""
     if c == TEXT:
         return net, cpu + p[1]
+    if cpu > net:
+        cpu = cpu + p[3]
     net = net + p[0]
     return net, max(cpu, net) + (p[2] if cpu > net and prev == c else p[1])
 
@@ -409,8 +419,9 @@ def _soonest(
         if c == TEXT:
             n2, c2 = net, cpu + p[1]
         else:
+            c1 = cpu + p[3] if cpu > net else cpu
             n2 = net + p[0]
-            c2 = max(cpu, n2) + (p[2] if cpu > n2 and prev == c else p[1])
+            c2 = max(c1, n2) + (p[2] if c1 > n2 and prev == c else p[1])
         if best is None or c2 < best[1] or (c2 == best[1] and n2 < best[0]):
             best = (n2, c2, c)
     assert best is not None  # every chunk has an option: text
