@@ -757,7 +757,7 @@ class _Load:
         The rates learn the call against the pipeline model's price for it: the first chunk alone,
         the others at their batched share. Why not each chunk at its batched share: a call's
         fixed part is paid once, so a short call costs far more per chunk than a long one (SmolLM2
-        L7 on 2 cores: 25-32 ms a chunk one per call, 12.4 ms sixteen in one call), and measured
+        L7 on 2 cores: 25-32 ms a chunk one per call, 12.4-15.8 ms sixteen in one call), and measured
         that way the calls of two or three chunks of a mixed plan taught a factor near 2, which
         then priced a load of L7 alone (one call of 15 chunks) at 24 ms a chunk. The CPU the
         fetches took meanwhile is taken out first, as in :meth:`measured`."""
