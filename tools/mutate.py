@@ -507,10 +507,10 @@ _LOADER_EQUIVALENT = {
     "xǁ_Loadǁdecode_batch__mutmut_30": _ZIP,
     "xǁ_Loadǁdecode_batch__mutmut_33": _ZIP,
     "xǁ_Loadǁdecode_batch__mutmut_34": _ZIP,
-    "xǁ_Loadǁdecode_batch__mutmut_69": _ZIP,
-    "xǁ_Loadǁdecode_batch__mutmut_72": _ZIP,
-    "xǁ_Loadǁdecode_batch__mutmut_73": _ZIP,
-    "xǁ_Loadǁdecode_batch__mutmut_86": "a call priced at 0 has every chunk's prediction 0, which observe() ignores"
+    "xǁ_Loadǁdecode_batch__mutmut_60": _ZIP,
+    "xǁ_Loadǁdecode_batch__mutmut_63": _ZIP,
+    "xǁ_Loadǁdecode_batch__mutmut_64": _ZIP,
+    "xǁ_Loadǁdecode_batch__mutmut_71": "a call priced at 0 has every chunk's prediction 0, which observe() ignores"
     " whatever the measured time",
     "xǁ_Loadǁplan_costs__mutmut_6": "replace() with the latency the model already has is an equal copy of it",
 }

@@ -116,7 +116,7 @@ def _load(rates, policy=FASTEST, slo_s=None):
 class _Forgetful(ComputeRates):
     """Rates that never learn: the loader plans with the calibrated model throughout."""
 
-    def observe(self, choice, predicted_s, measured_s):
+    def observe(self, choice, predicted_s, measured_s, fetch_cpu_s=0.0):
         pass
 
 

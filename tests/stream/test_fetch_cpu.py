@@ -96,6 +96,18 @@ def test_the_smallest_fetch_kept_and_a_fetch_of_no_cpu_count():
     assert r.fetch_cpu_s_per_mb() == 0.0
 
 
+def test_a_decode_is_learned_less_the_share_of_the_fetch_cpu_beside_it():
+    r = ComputeRates()
+    r.observe(1, 1.0, 0.5, 0.5)
+    assert r.factor(1) == pytest.approx(0.5 - FETCH_CPU_SHARE * 0.5)
+    r = ComputeRates()
+    r.observe(1, 1.0, 0.5, 10.0)  # more than the whole decode: the floor
+    assert r.factor(1) == MIN_RATIO
+    r = ComputeRates()
+    r.observe(1, 1.0, -0.1, 0.0)  # not a time, whatever the fetches took
+    assert not r.known
+
+
 def test_corrected_charges_the_learned_fetch_cpu_and_keeps_the_calibrated_one_until_then():
     base = CostModel(fetch_cpu_s_per_mb=0.25)
     r = ComputeRates()

@@ -85,12 +85,15 @@ class ComputeRates:
         self._fetch_cpu: deque[float] = deque(maxlen=window)  # CPU seconds per MB of recent fetches
         self._lock = threading.Lock()
 
-    def observe(self, choice: int | str, predicted_s: float, measured_s: float) -> None:
+    def observe(self, choice: int | str, predicted_s: float, measured_s: float, fetch_cpu_s: float = 0.0) -> None:
         """Record one decode of level ``choice`` (or a recompute, ``TEXT``) that the uncorrected
-        cost model predicted at ``predicted_s`` and took ``measured_s``. Ignores a sample that
-        cannot be a time (not finite, negative, or a prediction of nothing)."""
+        cost model predicted at ``predicted_s`` and took ``measured_s``, while the fetches beside it
+        spent ``fetch_cpu_s`` of CPU: what it learns is ``measured_s`` less the :data:`FETCH_CPU_SHARE`
+        of that which the planner charges to the fetches (:meth:`CostModel.fetch_cpu_s`). Ignores a
+        sample that cannot be a time (not finite, negative, or a prediction of nothing)."""
         if not (math.isfinite(predicted_s) and math.isfinite(measured_s)) or predicted_s <= 0 or measured_s < 0:
             return
+        measured_s = max(measured_s - FETCH_CPU_SHARE * fetch_cpu_s, 0.0)
         ratio = min(max(measured_s / predicted_s, MIN_RATIO), MAX_RATIO)
         key: int | str = TEXT if choice == TEXT else int(choice)
         with self._lock:

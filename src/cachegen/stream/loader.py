@@ -39,7 +39,7 @@ import torch
 from cachegen.errors import ConfigError, CorruptChunk, LoaderError
 from cachegen.kv import KVCache
 from cachegen.store.url import redact
-from cachegen.stream.compute_rates import FETCH_CPU_SHARE, ComputeRates, cpu_timed, thread_cpu_clock
+from cachegen.stream.compute_rates import ComputeRates, cpu_timed, thread_cpu_clock
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import DirectLink
@@ -537,10 +537,9 @@ class _Load:
 
     def measured(self, chunk: PlanChunk, choice: Choice, seconds: float, stolen: float = 0.0) -> None:
         """Teach the loader's rates one chunk's compute time (decoded alone, or recomputed) against
-        the uncorrected model, less what ``stolen``, the CPU the fetches took while it ran, cost it:
-        the planner charges that to the fetches (:meth:`CostModel.fetch_cpu_s`)."""
-        predicted = self.predicted(self.l.costs, chunk, choice)
-        self.l.rates.observe(choice, predicted, max(seconds - FETCH_CPU_SHARE * stolen, 0.0))
+        the uncorrected model, with ``stolen``, the CPU the fetches took while it ran (the rates
+        take out what the planner charges to the fetches, :meth:`ComputeRates.observe`)."""
+        self.l.rates.observe(choice, self.predicted(self.l.costs, chunk, choice), seconds, stolen)
 
     def fetch_cpu_now(self) -> float | None:
         """The fetch thread's CPU seconds so far; None when it cannot be read from here (no clock,
@@ -760,7 +759,7 @@ class _Load:
         L7 on 2 cores: 25-32 ms a chunk one per call, 12.4-15.8 ms sixteen in one call), and measured
         that way the calls of two or three chunks of a mixed plan taught a factor near 2, which
         then priced a load of L7 alone (one call of 15 chunks) at 24 ms a chunk. The CPU the
-        fetches took meanwhile is taken out first, as in :meth:`measured`."""
+        fetches took meanwhile goes with it, shared the same way, as in :meth:`measured`."""
         for m in batch:
             self.record_fetch(decisions[m.pos], m)
             self.start(m.pos)
@@ -783,9 +782,9 @@ class _Load:
         costs = self.l.costs
         preds = [self.predicted(costs, plan.chunks[m.pos], m.level, batched=j > 0) for j, m in enumerate(batch)]
         whole = sum(preds)
-        left = max(t_end - t - FETCH_CPU_SHARE * stolen, 0.0)
         for m, p in zip(batch, preds, strict=True):  # each chunk: the call's measured / predicted
-            self.l.rates.observe(m.level, p, left * p / whole if whole > 0 else 0.0)
+            share = p / whole if whole > 0 else 0.0
+            self.l.rates.observe(m.level, p, (t_end - t) * share, stolen * share)
         return True
 
     def decode_fetched(
