@@ -467,7 +467,6 @@ _PLANNER_EQUIVALENT = {
     "x_lift__mutmut_11": "TEXT among the levels: text returned before, TEXT is last and a lift only moves to earlier places",
     "x_lift__mutmut_12": "TEXT among the levels: text returned before, TEXT is last and a lift only moves to earlier places",
     "x_smallest_level__mutmut_5": _NOTEXT,
-    "x_useful_options__mutmut_4": _NOTEXT,
     "x_choose_rule__mutmut_3": _NOTEXT,
     "x_choose_rule__mutmut_6": "TEXT as the last option returns TEXT (its fetch is 0.0 s) when no level fits, as the fall-through does",
     "x_choose_rule__mutmut_7": "TEXT as the last option returns TEXT (its fetch is 0.0 s) when no level fits, as the fall-through does",
@@ -512,7 +511,10 @@ _LOADER_EQUIVALENT = {
     "xǁ_Loadǁdecode_batch__mutmut_64": _ZIP,
     "xǁ_Loadǁdecode_batch__mutmut_71": "a call priced at 0 has every chunk's prediction 0, which observe() ignores"
     " whatever the measured time",
-    "xǁ_Loadǁplan_costs__mutmut_6": "replace() with the latency the model already has is an equal copy of it",
+    "xǁ_Loadǁplan_costs__mutmut_9": "replace() with the latency the model already has is an equal copy of it",
+}
+_COMPUTE_RATES_EQUIVALENT = {
+    "xǁComputeRatesǁcorrected__mutmut_36": "_factor reads no family map for text, which has no decoder family",
 }
 _SQLCASE = "SQL keywords, identifiers, pragma names and values are case-insensitive; no quoted literal changes"
 _LOCAL_EQUIVALENT = {
@@ -664,6 +666,7 @@ EQUIVALENT: dict[str, str] = {
     "cachegen.stream.loader.xǁ_Loadǁno_message__mutmut_10": "unreachable: the fetch stage sends only messages that"
     " compute_stage handles before no_message (a timeout's None and ProducerEnded return earlier)",
     **{f"cachegen.stream.loader.{n}": why for n, why in _LOADER_EQUIVALENT.items()},
+    **{f"cachegen.stream.compute_rates.{n}": why for n, why in _COMPUTE_RATES_EQUIVALENT.items()},
 }
 
 

@@ -183,3 +183,100 @@ def test_recomputes_teach_the_text_factor_alone():
     replay_load(_chunks(4), constant(0.1), COSTS, opts, est, compute_s=twice, rates=rates)
     assert rates.factor(TEXT) == pytest.approx(2.0, rel=1e-3)
     assert rates.pooled_factor() == 1.0  # no decode was timed
+
+
+# levels 2 and 1 are two levels of one codec (one decoder); level 0 is another codec's
+FAMILIES = {2: "codec/lossy", 1: "codec/lossy", 0: "raw/level 0"}
+
+
+def test_the_levels_of_a_decoder_family_share_one_factor():
+    r = ComputeRates()
+    for measured in (0.5, 0.6):
+        r.observe(1, 1.0, measured)
+    r.observe(2, 1.0, 0.9)
+    r.observe(0, 1.0, 2.0)
+    r.observe(TEXT, 1.0, 3.0)
+    assert r.factor(1) == pytest.approx(0.55) and r.factor(2) == pytest.approx(0.9)  # no families: per level
+    assert r.factor(1, FAMILIES) == r.factor(2, FAMILIES) == pytest.approx(0.6)  # the median of 0.5, 0.6, 0.9
+    assert r.factor(0, FAMILIES) == pytest.approx(2.0)
+    assert r.factor(7, FAMILIES) == r.pooled_factor() == pytest.approx(0.75)  # outside the map: as before
+    assert r.factor(TEXT, FAMILIES) == pytest.approx(3.0)
+
+
+def test_corrected_scales_a_level_by_its_family_and_an_unseen_family_by_the_pool():
+    r = ComputeRates()
+    r.observe(1, 1.0, 0.5)
+    r.observe(0, 1.0, 2.0)
+    r.observe(0, 1.0, 2.0)
+    fams = {**FAMILIES, 3: "other/level 3"}
+    c = r.corrected(COSTS, fams)
+    assert c.decode_s(2, 10**6) == pytest.approx(0.5 * COSTS.decode_s(2, 10**6))  # not decoded yet: its family's
+    assert c.decode_s(1, 10**6) == pytest.approx(0.5 * COSTS.decode_s(1, 10**6))
+    assert c.decode_s(0, 10**6) == pytest.approx(2.0 * COSTS.decode_s(0, 10**6))
+    assert c.decode_s(3, 10**6) == pytest.approx(2.0 * COSTS.decode_s(3, 10**6))  # a family not seen: the pool
+    assert r.corrected(COSTS).decode_s(2, 10**6) == pytest.approx(2.0 * COSTS.decode_s(2, 10**6))  # per level
+
+
+def _fixed_then_fastest(families):
+    """Loads at level 1 and at level 0 teach the rates; then a fastest load plans with them. Truly
+    levels 2 and 1 decode alike (35-37 ms, well under their calibrated 82 and 62 ms) and level 0
+    slower than calibrated (30 ms against 18 ms)."""
+    true_s = {2: 0.035, 1: 0.037, 0: 0.030}
+    rates = ComputeRates()
+    for level in (1, 0):
+        opts = LoaderOptions(policy=level, slo_s=None, recency_boost=0)
+        replay_load(
+            _chunks(),
+            constant(0.1),
+            COSTS,
+            opts,
+            ThroughputEstimator(prior_gbps=0.1),
+            compute_s=lambda p, c: true_s[int(c)],
+            rates=rates,
+            families=families,
+        )
+    opts = LoaderOptions(policy=FASTEST, slo_s=None, recency_boost=0)
+    est = ThroughputEstimator(prior_gbps=0.1)
+    return replay_load(
+        _chunks(),
+        constant(0.1),
+        COSTS,
+        opts,
+        est,
+        compute_s=lambda p, c: true_s[int(c)],
+        rates=rates,
+        families=families,
+    )
+
+
+def test_a_level_not_decoded_yet_takes_its_decoder_family_s_speed():
+    """Level 2 has never been decoded. Pooled with raw 8-bit KV's decodes (slower than calibrated),
+    its factor says 93 ms a chunk, and the plan starts with level 1 (64 ms on the link). Its
+    family's factor, learned from level 1, says 49 ms: level 2 (37 ms on the link) from the first
+    chunk, and the load ends sooner."""
+    pooled = _fixed_then_fastest(None)
+    family = _fixed_then_fastest(FAMILIES)
+    assert pooled.choices[:3] == [1, 1, 1]
+    assert family.choices[:15] == [2] * 15
+    assert family.load_s < 0.95 * pooled.load_s
+
+
+def test_the_project_codec_and_a_ladder_name_their_decoder_families():
+    from cachegen.bench.baselines.uniform import UniformCodec
+    from cachegen.codec import Codec
+    from cachegen.stream import FormatLadder, Rung
+    from cachegen.stream.compute_rates import decoder_families
+
+    codec = Codec(threads=1)
+    fams = decoder_families(codec)
+    assert fams[0] == "lossless" and {fams[lv] for lv in codec.levels if lv} == {"lossy"}
+    ladder = FormatLadder(
+        [Rung("u8", UniformCodec(8), 0), Rung("L4", codec, 4), Rung("L7", codec, 7), Rung("L0", codec, 0)]
+    )
+    assert decoder_families(ladder) == {
+        0: "uniform8/level 0",
+        1: "cachegen/lossy",
+        2: "cachegen/lossy",
+        3: "cachegen/lossless",
+    }
+    assert decoder_families(object()) == {}  # lists no levels

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -72,8 +72,6 @@ def _zeros(n: int) -> bytes:
 class _VirtualWork:
     """The replay's store, codec and model: sizes instead of payloads, clock time instead of work."""
 
-    levels: tuple[int, ...] = ()
-
     def __init__(
         self,
         chunks: Sequence[PlanChunk],
@@ -82,7 +80,10 @@ class _VirtualWork:
         cpu_noise: float,
         seed: int,
         compute_s: Callable[[int, Choice], float] | None,
+        families: Mapping[int, str] | None = None,
     ):
+        self.families = dict(families or {})
+        self.levels = tuple(self.families)  # the levels it names families for (none: one each)
         self.chunks = list(chunks)
         self.costs, self.clock, self.cpu_noise, self.compute_s = costs, clock, cpu_noise, compute_s
         self.rng = random.Random(seed)
@@ -103,7 +104,10 @@ class _VirtualWork:
         # only the payload's length matters (to the link and the estimator): a view of shared zeros
         return memoryview(_zeros(n))[:n]  # type: ignore[return-value]
 
-    # the codec (ChunkCodec)
+    # the codec (ChunkCodec, NamesDecoders)
+    def decoder_family(self, level: int) -> str:
+        return self.families.get(level, f"level {level}")
+
     def encode(self, kv: KVCache, level: int, *, key: str | None = None) -> bytes:
         raise ConfigError("the replay's codec only decodes")
 
@@ -166,6 +170,7 @@ def replay_load(
     seed: int = 0,
     compute_s: Callable[[int, Choice], float] | None = None,
     rates: ComputeRates | None = None,
+    families: Mapping[int, str] | None = None,
 ) -> ReplayResult:
     """One load of ``chunks`` by the loader in virtual time over a link following ``trace``.
 
@@ -175,7 +180,9 @@ def replay_load(
     per fetch (default ``costs.fetch_latency_s``). ``compute_s(position, choice)``
     overrides the true compute seconds (default: the cost model's prediction times
     ``exp(N(0, cpu_noise))``, drawn in the order the chunks are computed). ``rates``: the
-    loader's measured compute speed; pass one across replays as the engine keeps one."""
+    loader's measured compute speed; pass one across replays as the engine keeps one.
+    ``families``: level -> the codec's decoder family (levels that share one learn one speed,
+    :func:`~cachegen.stream.compute_rates.decoder_families`); none: each level its own."""
     if not chunks:
         raise ConfigError("nothing to replay: no chunks")
     c0 = chunks[0]
@@ -185,7 +192,7 @@ def replay_load(
             **{**options.__dict__, "values_per_token": vpt, "dtype": options.dtype or torch.bfloat16}
         )
     clock = VirtualClock()
-    work = _VirtualWork(chunks, costs, clock, cpu_noise, seed, compute_s)
+    work = _VirtualWork(chunks, costs, clock, cpu_noise, seed, compute_s, families)
     link = ThrottledLink(
         trace, latency_s=costs.fetch_latency_s if latency_s is None else latency_s, clock=clock, sleep=clock.sleep
     )

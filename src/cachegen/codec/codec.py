@@ -111,6 +111,12 @@ class Codec:
         """Levels :meth:`encode` accepts: lossless and the profile's (every lossy level without one)."""
         return (LOSSLESS, *(sorted(self.profile.levels) if self.profile is not None else quant_levels()))
 
+    def decoder_family(self, level: int) -> str:
+        """Which code decodes ``level`` (a :class:`~cachegen.codec.protocol.NamesDecoders`): every
+        lossy level runs the same dequantize, inverse transform and rANS decoder, so the loader
+        learns one speed for them all; lossless decodes otherwise."""
+        return "lossless" if level == LOSSLESS else "lossy"
+
     # encode() reads where the context ends (a :class:`~cachegen.codec.protocol.EncodesInContext`)
     encodes_in_context = True
 

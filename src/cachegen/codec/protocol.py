@@ -9,7 +9,8 @@ A codec may also decode straight into a slice of a preallocated cache
 falls back to ``decode`` plus a copy where it does not, so every codec works with
 the loader's preallocated cache. A codec may decode several consecutive chunks in
 one call (:class:`DecodesManyInto`), sharing per-call costs; :func:`decode_many_into`
-falls back to one :func:`decode_into` per chunk.
+falls back to one :func:`decode_into` per chunk. A codec may say which of its
+levels share decoding code (:class:`NamesDecoders`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ class DecodesManyInto(Protocol):
     def decode_many_into(
         self, datas: Sequence[bytes], out: KVCache, sizes: Sequence[int], *, keys: Sequence[str | None] | None = None
     ) -> KVCache: ...
+
+
+@runtime_checkable
+class NamesDecoders(Protocol):
+    """A codec that says which of its levels share decoding code: two levels with the same
+    ``decoder_family`` run alike on a machine, whatever their calibrated times. The loader learns
+    one correction per family (:class:`cachegen.stream.ComputeRates`), so that the noise of a few
+    decodes cannot rank a bigger level above a smaller one that decodes as fast. A codec without
+    it is taken to have one decoder per level."""
+
+    def decoder_family(self, level: int) -> str: ...
 
 
 @runtime_checkable

@@ -11,7 +11,11 @@ that was really bound by the link, and ended it 20% later than one level alone.
 
 :class:`ComputeRates` keeps the ratio of measured to predicted seconds of the last few
 decodes per format (and of recomputes), and :meth:`ComputeRates.corrected` scales the cost
-model by their median. It also keeps what a decode loses per MB fetched beside it (the fetch
+model by their median over each decoder family: the levels of one codec that run the same
+decoding code (:func:`decoder_families`) share one factor. Per level, 20-30% of noise from load
+to load was enough at 1 Gbit/s to rank the project codec's L4 above its L7, which is smaller and
+decodes as fast; and a level not decoded yet took the median over every format, raw 8-bit KV's
+included. It also keeps what a decode loses per MB fetched beside it (the fetch
 thread's read and checksum take CPU from the decode pool, :meth:`CostModel.fetch_cpu_s`): the
 loader takes that loss out of a decode's measured seconds before it learns from them, so a level
 decoded only beside big fetches is not taken for a slow level. Keep one per loader's machine and
@@ -29,7 +33,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from functools import partial
 
@@ -73,9 +77,10 @@ class ScaledCosts(CostModel):
 class ComputeRates:
     """Measured / predicted compute seconds of recent decodes (per level) and recomputes; thread-safe.
 
-    A level that has not been decoded yet takes the median over every level's recent decodes
-    (a machine that runs slow runs slow for all of them); text takes only recomputes' (a
-    prefill is bound by other things than a decode)."""
+    A level takes the median over its decoder family's recent decodes (given a family map); a
+    family that has not been decoded yet takes the median over every level's (a machine that runs
+    slow runs slow for all of them); text takes only recomputes' (a prefill is bound by other
+    things than a decode)."""
 
     def __init__(self, window: int = 16):
         if window < 1:
@@ -124,20 +129,24 @@ class ComputeRates:
         with self._lock:
             return bool(self._ratios) or bool(self._fetch_cpu)
 
-    def factor(self, choice: int | str) -> float:
-        """The median ratio for ``choice``; a level without samples: :meth:`pooled_factor`; text without: 1."""
-        return _factor(self._snapshot(), TEXT if choice == TEXT else int(choice))
+    def factor(self, choice: int | str, families: Mapping[int, str] | None = None) -> float:
+        """The median ratio for ``choice`` over its decoder family's recent decodes (``families``:
+        level -> family, :func:`decoder_families`; a level outside it is a family of its own); a
+        family without samples: :meth:`pooled_factor`; text: the recomputes' (1 without)."""
+        return _factor(self._snapshot(), TEXT if choice == TEXT else int(choice), families or {})
 
     def pooled_factor(self) -> float:
         """The median ratio over every level's recent decodes (1 before the first)."""
         return _pooled(self._snapshot())
 
-    def corrected(self, costs: CostModel) -> CostModel:
-        """``costs`` with every decode and recompute prediction scaled by its :meth:`factor` and the
-        fetches' CPU time per MB as measured (``costs`` itself when nothing has been measured yet);
-        all factors from one snapshot."""
-        snap = self._snapshot()
-        fetch_cpu = self.fetch_cpu_s_per_mb()
+    def corrected(self, costs: CostModel, families: Mapping[int, str] | None = None) -> CostModel:
+        """``costs`` with every decode and recompute prediction scaled by its :meth:`factor` (under
+        ``families``) and the fetches' CPU time per MB as measured (``costs`` itself when nothing
+        has been measured yet); all of it from one snapshot."""
+        with self._lock:
+            snap: dict[int | str, list[float]] = {k: list(d) for k, d in self._ratios.items()}
+            fetch_cpu = statistics.median(self._fetch_cpu) if self._fetch_cpu else None
+        families = families or {}
         if not snap and fetch_cpu is None:
             return costs
         base = {f.name: getattr(costs, f.name) for f in fields(CostModel)}
@@ -145,9 +154,9 @@ class ComputeRates:
             base["fetch_cpu_s_per_mb"] = fetch_cpu
         return ScaledCosts(
             **base,
-            decode_scale={int(k): _factor(snap, k) for k in snap if k != TEXT},
+            decode_scale=_decode_scales(snap, families),
             decode_scale_default=_pooled(snap),
-            recompute_scale=_factor(snap, TEXT),
+            recompute_scale=_factor(snap, TEXT, families),
         )
 
 
@@ -156,11 +165,42 @@ def _pooled(snap: dict[int | str, list[float]]) -> float:
     return statistics.median(pooled) if pooled else 1.0
 
 
-def _factor(snap: dict[int | str, list[float]], key: int | str) -> float:
-    own = snap.get(key)
+def _decode_scales(snap: dict[int | str, list[float]], families: Mapping[int, str]) -> dict[int, float]:
+    """:func:`_factor` of every level in ``snap`` or ``families``, each family's median taken once."""
+    pooled: dict[str, list[float]] = {}
+    for k, rs in snap.items():
+        if k != TEXT and int(k) in families:
+            pooled.setdefault(families[int(k)], []).extend(rs)
+    medians = {f: statistics.median(rs) for f, rs in pooled.items() if rs}
+    scales = {int(k): statistics.median(rs) for k, rs in snap.items() if k != TEXT and rs}
+    default = _pooled(snap)
+    for lv, f in families.items():
+        scales[lv] = medians.get(f, default)
+    return scales
+
+
+def _factor(snap: dict[int | str, list[float]], key: int | str, families: Mapping[int, str]) -> float:
+    if key == TEXT or key not in families:
+        own = snap.get(key)
+    else:
+        own = [r for k, rs in snap.items() if k != TEXT and families.get(int(k)) == families[int(key)] for r in rs]
     if own:
         return statistics.median(own)
     return 1.0 if key == TEXT else _pooled(snap)
+
+
+def decoder_family(codec: object, level: int) -> str:
+    """Which code of ``codec`` decodes ``level``: its ``decoder_family(level)`` where it names one
+    (:class:`~cachegen.codec.protocol.NamesDecoders`), else the level alone."""
+    name = getattr(codec, "decoder_family", None)
+    return str(name(level)) if callable(name) else f"level {level}"
+
+
+def decoder_families(codec: object) -> dict[int, str]:
+    """Level -> :func:`decoder_family` for every level of ``codec`` (none where it lists none):
+    what :meth:`ComputeRates.corrected` pools the decodes of."""
+    levels = getattr(codec, "levels", ())
+    return {int(lv): decoder_family(codec, int(lv)) for lv in levels}
 
 
 def thread_cpu_clock() -> Callable[[], float | None] | None:

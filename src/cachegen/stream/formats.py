@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, cast
 
 from cachegen.errors import ConfigError, CorruptChunk
 from cachegen.kv import KVCache
+from cachegen.stream.compute_rates import decoder_family
 
 if TYPE_CHECKING:  # importing the stream package loads no codec
     from cachegen.codec import ChunkCodec
@@ -81,6 +82,13 @@ class FormatLadder:
         if not 0 <= level < len(self.rungs):
             raise ConfigError(f"no level {level}: the ladder has levels 0..{len(self.rungs) - 1}")
         return self.rungs[level]
+
+    def decoder_family(self, level: int) -> str:
+        """The rung's codec and, where that codec names them, its decoder family (a
+        :class:`~cachegen.codec.protocol.NamesDecoders`): the project codec's lossy rungs are one
+        family; each other codec's rung is its own."""
+        r = self._rung(level)
+        return f"{getattr(r.codec, 'name', type(r.codec).__name__)}/{decoder_family(r.codec, r.level)}"
 
     encodes_in_context = True  # passed on to the rungs whose codecs take it
 

@@ -39,7 +39,7 @@ import torch
 from cachegen.errors import ConfigError, CorruptChunk, LoaderError
 from cachegen.kv import KVCache
 from cachegen.store.url import redact
-from cachegen.stream.compute_rates import ComputeRates, cpu_timed, thread_cpu_clock
+from cachegen.stream.compute_rates import ComputeRates, cpu_timed, decoder_families, thread_cpu_clock
 from cachegen.stream.costs import TEXT, CostModel
 from cachegen.stream.estimator import ThroughputEstimator
 from cachegen.stream.link import DirectLink
@@ -346,6 +346,7 @@ class StreamingLoader:
         self._decode_key = _accepts(codec.decode, "key")
         self._decode_into = callable(getattr(codec, "decode_into", None))  # a DecodesInto
         self.decodes_many = callable(getattr(codec, "decode_many_into", None))  # a DecodesManyInto
+        self.families = decoder_families(codec)  # the levels that share a decoder learn one speed
 
     def load(self, tokens: Sequence[int], *, slo_s: float | None = None, t0: float | None = None) -> LoadResult:
         """The KV of the longest cached prefix of ``tokens`` (``kv=None`` when nothing is cached).
@@ -506,12 +507,12 @@ class _Load:
 
     def plan_costs(self) -> CostModel:
         """The cost model for the next decision: the fastest policy's is corrected by what this
-        machine's decodes and recomputes measured and takes the per-request latency this link's
+        machine's decodes (one factor per decoder family of the codec) and recomputes measured and takes the per-request latency this link's
         fetches measure (:meth:`ThroughputEstimator.latency`); a deadline policy keeps the
         calibrated one, whose headroom a median correction would spend."""
         if self.o.policy != FASTEST:
             return self.l.costs
-        costs = self.l.rates.corrected(self.l.costs)
+        costs = self.l.rates.corrected(self.l.costs, self.l.families)
         latency = self.l.estimator.latency(costs.fetch_latency_s)  # as this link's fetches measure it
         return costs if latency == costs.fetch_latency_s else replace(costs, fetch_latency_s=latency)
 

@@ -358,21 +358,22 @@ def choose_adaptive(
 def useful_options(chunk: PlanChunk, costs: Predicts, allowed: Sequence[int] | None = None) -> list[Choice]:
     """:func:`options` less the stored levels that another one beats on both bytes and decode
     time (they can never end a load sooner): the few that matter to :func:`choose_fastest`."""
-    lv = options(chunk, allowed, text=False)
-    cost = {
-        o: (
-            chunk.sizes[int(o)],
-            costs.decode_s(int(o), chunk.num_values),
-            costs.decode_s(int(o), chunk.num_values, True),
-        )
-        for o in lv
-    }
-
-    def beaten(o: Choice) -> bool:
-        c = cost[o]
-        return any(q[0] <= c[0] and q[1] <= c[1] and q[2] <= c[2] and q != c for q in cost.values())
-
-    return [*(o for o in lv if not beaten(o)), TEXT]
+    nv = chunk.num_values
+    cost = [
+        (o, chunk.sizes[o], costs.decode_s(o, nv), costs.decode_s(o, nv, True))
+        for o in sorted(chunk.sizes)
+        if allowed is None or o in allowed
+    ]
+    # plain loops: this runs for every chunk of the horizon at every decision, on the fetch thread
+    keep: list[Choice] = []
+    for o, size, alone, batched in cost:
+        for _, s2, a2, b2 in cost:
+            if s2 <= size and a2 <= alone and b2 <= batched and (s2 < size or a2 < alone or b2 < batched):
+                break
+        else:
+            keep.append(o)
+    keep.append(TEXT)
+    return keep
 
 
 # a chunk at one option: fetch s, decode s, batched decode s, the fetch's CPU s (text: 0, r, r, 0)
