@@ -513,9 +513,6 @@ _LOADER_EQUIVALENT = {
     " whatever the measured time",
     "xǁ_Loadǁplan_costs__mutmut_9": "replace() with the latency the model already has is an equal copy of it",
 }
-_COMPUTE_RATES_EQUIVALENT = {
-    "xǁComputeRatesǁcorrected__mutmut_36": "_factor reads no family map for text, which has no decoder family",
-}
 _SQLCASE = "SQL keywords, identifiers, pragma names and values are case-insensitive; no quoted literal changes"
 _LOCAL_EQUIVALENT = {
     "xǁLocalBackendǁ_discard__mutmut_14": _SQLCASE,
@@ -666,7 +663,6 @@ EQUIVALENT: dict[str, str] = {
     "cachegen.stream.loader.xǁ_Loadǁno_message__mutmut_10": "unreachable: the fetch stage sends only messages that"
     " compute_stage handles before no_message (a timeout's None and ProducerEnded return earlier)",
     **{f"cachegen.stream.loader.{n}": why for n, why in _LOADER_EQUIVALENT.items()},
-    **{f"cachegen.stream.compute_rates.{n}": why for n, why in _COMPUTE_RATES_EQUIVALENT.items()},
 }
 
 

@@ -106,7 +106,7 @@ class _VirtualWork:
 
     # the codec (ChunkCodec, NamesDecoders)
     def decoder_family(self, level: int) -> str:
-        return self.families.get(level, f"level {level}")
+        return self.families[level]  # asked only for its ``levels``, the map's keys
 
     def encode(self, kv: KVCache, level: int, *, key: str | None = None) -> bytes:
         raise ConfigError("the replay's codec only decodes")

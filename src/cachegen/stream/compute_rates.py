@@ -116,12 +116,13 @@ class ComputeRates:
     def fetch_cpu_s_per_mb(self) -> float | None:
         """What a busy compute stage loses per MB fetched beside it: the median over recent fetches
         of :data:`FETCH_CPU_SHARE` times their CPU seconds per MB; None before the first."""
-        with self._lock:
-            return statistics.median(self._fetch_cpu) if self._fetch_cpu else None
+        return self._snapshot()[1]
 
-    def _snapshot(self) -> dict[int | str, list[float]]:
+    def _snapshot(self) -> tuple[dict[int | str, list[float]], float | None]:
+        """The recent ratios per key and :meth:`fetch_cpu_s_per_mb`, read under one lock."""
         with self._lock:
-            return {k: list(d) for k, d in self._ratios.items()}
+            fetch_cpu = statistics.median(self._fetch_cpu) if self._fetch_cpu else None
+            return {k: list(d) for k, d in self._ratios.items()}, fetch_cpu
 
     @property
     def known(self) -> bool:
@@ -133,20 +134,20 @@ class ComputeRates:
         """The median ratio for ``choice`` over its decoder family's recent decodes (``families``:
         level -> family, :func:`decoder_families`; a level outside it is a family of its own); a
         family without samples: :meth:`pooled_factor`; text: the recomputes' (1 without)."""
-        return _factor(self._snapshot(), TEXT if choice == TEXT else int(choice), families or {})
+        snap = self._snapshot()[0]
+        if choice == TEXT:
+            return _text_factor(snap)
+        return _decode_scales(snap, families or {}).get(int(choice), _pooled(snap))
 
     def pooled_factor(self) -> float:
         """The median ratio over every level's recent decodes (1 before the first)."""
-        return _pooled(self._snapshot())
+        return _pooled(self._snapshot()[0])
 
     def corrected(self, costs: CostModel, families: Mapping[int, str] | None = None) -> CostModel:
         """``costs`` with every decode and recompute prediction scaled by its :meth:`factor` (under
         ``families``) and the fetches' CPU time per MB as measured (``costs`` itself when nothing
         has been measured yet); all of it from one snapshot."""
-        with self._lock:
-            snap: dict[int | str, list[float]] = {k: list(d) for k, d in self._ratios.items()}
-            fetch_cpu = statistics.median(self._fetch_cpu) if self._fetch_cpu else None
-        families = families or {}
+        snap, fetch_cpu = self._snapshot()
         if not snap and fetch_cpu is None:
             return costs
         base = {f.name: getattr(costs, f.name) for f in fields(CostModel)}
@@ -154,9 +155,9 @@ class ComputeRates:
             base["fetch_cpu_s_per_mb"] = fetch_cpu
         return ScaledCosts(
             **base,
-            decode_scale=_decode_scales(snap, families),
+            decode_scale=_decode_scales(snap, families or {}),
             decode_scale_default=_pooled(snap),
-            recompute_scale=_factor(snap, TEXT, families),
+            recompute_scale=_text_factor(snap),
         )
 
 
@@ -166,7 +167,9 @@ def _pooled(snap: dict[int | str, list[float]]) -> float:
 
 
 def _decode_scales(snap: dict[int | str, list[float]], families: Mapping[int, str]) -> dict[int, float]:
-    """:func:`_factor` of every level in ``snap`` or ``families``, each family's median taken once."""
+    """The factor of every level in ``snap`` or ``families``: the median over its family's recent
+    decodes (each family's taken once), its own where it has no family, :func:`_pooled` for a family
+    without samples (and for any level in neither: the caller's default)."""
     pooled: dict[str, list[float]] = {}
     for k, rs in snap.items():
         if k != TEXT and int(k) in families:
@@ -179,14 +182,10 @@ def _decode_scales(snap: dict[int | str, list[float]], families: Mapping[int, st
     return scales
 
 
-def _factor(snap: dict[int | str, list[float]], key: int | str, families: Mapping[int, str]) -> float:
-    if key == TEXT or key not in families:
-        own = snap.get(key)
-    else:
-        own = [r for k, rs in snap.items() if k != TEXT and families.get(int(k)) == families[int(key)] for r in rs]
-    if own:
-        return statistics.median(own)
-    return 1.0 if key == TEXT else _pooled(snap)
+def _text_factor(snap: dict[int | str, list[float]]) -> float:
+    """The recomputes' median ratio (1 before the first): a prefill is not pooled with decodes."""
+    own = snap.get(TEXT)
+    return statistics.median(own) if own else 1.0
 
 
 def decoder_family(codec: object, level: int) -> str:

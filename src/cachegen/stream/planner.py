@@ -359,6 +359,7 @@ def useful_options(chunk: PlanChunk, costs: Predicts, allowed: Sequence[int] | N
     """:func:`options` less the stored levels that another one beats on both bytes and decode
     time (they can never end a load sooner): the few that matter to :func:`choose_fastest`."""
     nv = chunk.num_values
+    # options()'s stored levels, filtered inline: calling it made a 16-chunk decision 4% slower
     cost = [
         (o, chunk.sizes[o], costs.decode_s(o, nv), costs.decode_s(o, nv, True))
         for o in sorted(chunk.sizes)
