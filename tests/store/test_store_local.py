@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import signal
 import sqlite3
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from store_helpers import check_one_copy, ingest_twice, spawn
 
 from cachegen.errors import ChunkNotFound, ConfigError, CorruptChunk, StoreError
 from cachegen.store import ChunkWrite, ContextStore, open_backend
+from cachegen.store.backend import checksum, verify
 from cachegen.store.local import LocalBackend
 
 
@@ -84,6 +87,29 @@ def test_checksum_verified_on_every_read(store_dir):
     f2 = blob_files(store_dir)[0]
     f2.write_bytes(f2.read_bytes()[:-1])  # truncated
     with pytest.raises(CorruptChunk):
+        b.get(key(1), 1)
+
+
+def test_checksums_are_crc32_and_blake2b_digests_still_verify(store_dir):
+    """New payloads carry their CRC-32; a store written before it holds 16-byte blake2b digests in
+    its index, and they still verify (a digest of any other length never does)."""
+    data = os.urandom(300)
+    assert checksum(data) == zlib.crc32(data).to_bytes(4, "little")
+    legacy = hashlib.blake2b(data, digest_size=16).digest()
+    assert verify(checksum(data), data) and verify(legacy, data)
+    assert not verify(checksum(data), data[:-1]) and not verify(legacy, data[:-1])
+    assert not verify(legacy[:8], data) and not verify(b"", data)
+    b = LocalBackend(store_dir)
+    p = write(b, 1, sizes=(100, 100))
+    db = sqlite3.connect(store_dir / "index.sqlite3")
+    with db:
+        assert [len(d) for (d,) in db.execute("SELECT checksum FROM payloads")] == [4, 4]
+        db.execute("UPDATE payloads SET checksum=? WHERE level=0", (hashlib.blake2b(p[0], digest_size=16).digest(),))
+        db.execute("UPDATE payloads SET checksum=? WHERE level=1", (hashlib.blake2b(p[0], digest_size=16).digest(),))
+    db.close()
+    b = LocalBackend(store_dir)
+    assert b.get(key(1), 0) == p[0]
+    with pytest.raises(CorruptChunk):  # level 1's digest is of other bytes
         b.get(key(1), 1)
 
 

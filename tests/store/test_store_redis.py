@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
 import signal
 import socket
@@ -68,6 +69,21 @@ def test_corrupt_payload_is_detected(url):
         b.get(key(1), 0)
     with pytest.raises(ChunkNotFound):
         b.get(key(2), 0)
+
+
+def test_values_written_with_blake2b_still_read(url):
+    """A value is the payload's CRC-32 and the payload; one written before CRC-32 began with its
+    blake2b-128, and still reads (and fails when the payload does not match it)."""
+    b = open_backend(url)
+    b.put_chunk(key(1), b"", {0: b"payload"})
+    name = f"cg:{{{key(1)}}}:0"
+    assert len(b.client.get(name)) == 4 + len(b"payload")
+    legacy = hashlib.blake2b(b"payload", digest_size=16).digest()
+    b.client.set(name, legacy + b"payload")
+    assert b.get(key(1), 0) == b"payload"
+    b.client.set(name, legacy + b"paylaod")
+    with pytest.raises(CorruptChunk):
+        b.get(key(1), 0)
 
 
 def test_sigkill_during_writes_leaves_no_torn_entry(url):

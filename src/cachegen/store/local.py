@@ -13,7 +13,8 @@ Why it is safe with several processes and SIGKILL:
   transaction: least recently used chunks are dropped (rows and files) before
   the new files are renamed in, so committed payload bytes never exceed it,
   whatever the number of writers.
-* Every read checks the payload's size and blake2b checksum from the index.
+* Every read checks the payload's size and checksum (CRC-32; blake2b-128 for payloads written
+  before it) from the index.
 
 Why it touches only what it owns:
 
@@ -47,7 +48,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cachegen.errors import ChunkNotFound, ConfigError, CorruptChunk, StoreError, StoreUnavailable
-from cachegen.store.backend import Backend, ChunkRow, ChunkWrite, Deadline, LevelStats, StoreStats, checksum
+from cachegen.store.backend import Backend, ChunkRow, ChunkWrite, Deadline, LevelStats, StoreStats, checksum, verify
 from cachegen.store.keys import check_key
 
 log = logging.getLogger(__name__)
@@ -480,7 +481,7 @@ class LocalBackend(Backend):
                 raise ChunkNotFound(f"chunk {key[:16]} level {level} was evicted from {self.url}") from None
             except OSError as e:
                 raise StoreError(f"cannot read chunk {key[:16]} level {level}: {e}") from e
-            if data is None or len(data) != size or checksum(data) != bytes(digest):
+            if data is None or len(data) != size or not verify(bytes(digest), data):
                 self._discard(key, level, name)
                 raise CorruptChunk(f"chunk {key[:16]} level {level} in {self.url} fails its checksum")
             if last < now:

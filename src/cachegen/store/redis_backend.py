@@ -6,7 +6,8 @@ MULTI covers them all):
 * ``cg:{KEY}:m`` — a small hash: ``s:<level>`` payload sizes, ``p`` start,
   ``e`` ends-a-context flag, ``w`` write time. The planner reads it alone.
 * ``cg:{KEY}:t`` — the token ids (uint32 LE), for recompute.
-* ``cg:{KEY}:<level>`` — blake2b-128 checksum followed by the payload.
+* ``cg:{KEY}:<level>`` — the payload's CRC-32 (4 bytes) followed by the payload (a value
+  written before CRC-32 holds its blake2b-128 instead, and still reads).
 
 A chunk's new levels, their sizes and its tokens are written in one
 MULTI/EXEC, so a reader (or a writer that dies mid-way) never sees a size
@@ -42,6 +43,7 @@ from redis.retry import Retry
 from cachegen.errors import ChunkNotFound, CorruptChunk, StoreError, StoreUnavailable
 from cachegen.store.backend import (
     CHECKSUM_SIZE,
+    LEGACY_CHECKSUM_SIZE,
     Backend,
     ChunkRow,
     ChunkWrite,
@@ -49,6 +51,7 @@ from cachegen.store.backend import (
     StoreStats,
     checksum,
     merge_levels,
+    verify,
 )
 from cachegen.store.keys import check_key
 from cachegen.store.url import redact
@@ -73,6 +76,17 @@ def _tok(key: str) -> str:
 
 def _payload(key: str, level: int) -> str:
     return f"{PREFIX}{{{key}}}:{int(level)}"
+
+
+def _checked(value: bytes) -> bytes | None:
+    """The payload in a stored value (checksum, then payload), or None when it fails its checksum.
+    A value written before CRC-32 begins with a 16-byte blake2b instead: tried when the CRC-32
+    fails (such a value passes the CRC-32 check by chance once in 2^32, and then its payload
+    begins with 12 digest bytes, which the codec's own header check refuses)."""
+    for size in (CHECKSUM_SIZE, LEGACY_CHECKSUM_SIZE):
+        if len(value) >= size and verify(value[:size], value[size:]):
+            return value[size:]
+    return None
 
 
 def _sizes(meta: dict) -> dict[int, int]:
@@ -194,8 +208,8 @@ class RedisBackend(Backend):
         for (key, level), value in zip(items, raw):
             if value is None:
                 raise ChunkNotFound(f"chunk {key[:16]} level {level} is not in {self.url}")
-            data = value[CHECKSUM_SIZE:]
-            if len(value) < CHECKSUM_SIZE or checksum(data) != value[:CHECKSUM_SIZE]:
+            data = _checked(value)
+            if data is None:
                 raise CorruptChunk(f"chunk {key[:16]} level {level} in {self.url} fails its checksum")
             out.append(data)
         return out
