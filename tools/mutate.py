@@ -185,6 +185,7 @@ MODULES: tuple[Module, ...] = (
             "tests/stream/test_planner_oracles.py",
             "tests/stream/test_loader_batch.py",
             "tests/stream/test_fetch_cpu.py",
+            "tests/stream/test_steady.py",
             # the real codec's test compiles its numba kernels in the mutated copy (38 s in mutmut's
             # stats), and mutmut runs it for every mutant of load(): the toy codec's tests hold the loader
             "-k",
@@ -205,6 +206,7 @@ MODULES: tuple[Module, ...] = (
             "tests/stream/test_fastest.py",
             "tests/stream/test_batched_costs.py",
             "tests/stream/test_fetch_cpu.py",
+            "tests/stream/test_steady.py",
             *_FAST,
         ),
         "H2",

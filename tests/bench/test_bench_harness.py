@@ -177,6 +177,7 @@ def test_ttft_counts_the_link(tmp_path, tiny_lm):
         assert sum(c["bytes"] for c in ch) == r["size_bytes"]
         for c in ch:
             assert 0 <= c["fetch_start"] <= c["fetch_end"] <= c["decode_start"] <= c["decode_end"] <= r["load_s"]
+            assert c["kept"] is False  # a fixed level is never decided, so never kept
         assert max(c["fetch_end"] for c in ch) == r["fetch_s"]
     ttft_plot(res, tmp_path / "t.png")
     json.dumps(res)

@@ -148,7 +148,14 @@ def test_a_deadline_policy_plans_with_the_calibrated_model(monkeypatch):
         seen.append((policy, costs))
         return decide(policy, remaining, costs, **kw)
 
+    fastest = loader_mod.decide_fastest
+
+    def spy_fastest(remaining, costs, **kw):
+        seen.append((FASTEST, costs))
+        return fastest(remaining, costs, **kw)
+
     monkeypatch.setattr(loader_mod, "decide", spy)
+    monkeypatch.setattr(loader_mod, "decide_fastest", spy_fastest)
     _load(rates, policy="adaptive", slo_s=1.5)
     _load(rates)
     assert {p for p, _ in seen} == {"adaptive", FASTEST}

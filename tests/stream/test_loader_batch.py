@@ -71,7 +71,9 @@ def test_the_chunks_that_waited_decode_in_one_call(stored):
 def test_only_consecutive_chunks_of_one_level_share_a_call(stored, monkeypatch):
     _, store, tokens, _ = stored
     levels = [0, 0, 1, 1, 1, 0, 0]
-    monkeypatch.setattr(loader_mod._Load, "choose", lambda self, plan, k, prev, costs: (levels[plan.order[k]], 1.0))
+    monkeypatch.setattr(
+        loader_mod._Load, "choose", lambda self, plan, k, prev, costs: (levels[plan.order[k]], 1.0, None)
+    )
     res, codec = load(stored)
     # chunk 0 alone (it allocates the cache); then the runs of one level among those waiting
     assert codec.calls == [("decode", 1), ("into", 1), ("many", 3), ("many", 2)]
@@ -127,7 +129,9 @@ def test_a_call_teaches_the_rates_against_its_first_chunk_alone_and_the_others_b
 def test_a_failed_batch_of_two_is_decoded_again_chunk_by_chunk_and_traced(stored, monkeypatch, caplog):
     model, _, tokens, kv = stored
     levels = [0, 0, 0, 0, 0, 1, 1]  # chunks 1-4 share a call, then 5 and 6 another
-    monkeypatch.setattr(loader_mod._Load, "choose", lambda self, plan, k, prev, costs: (levels[plan.order[k]], 1.0))
+    monkeypatch.setattr(
+        loader_mod._Load, "choose", lambda self, plan, k, prev, costs: (levels[plan.order[k]], 1.0, None)
+    )
     caplog.set_level(logging.DEBUG, logger="cachegen.stream.loader")
     res, codec = load(stored, faults={5: "corrupt"})
     assert codec.calls == [("decode", 1), ("many", 4), ("many", 2), ("into", 1)]
@@ -192,7 +196,9 @@ def test_a_fetched_chunk_is_booked_at_its_batched_cost_only_behind_one_of_its_le
     """The fetch stage books a chunk's compute batched when the chunk before it in fetch order took
     its level, the codec decodes batches and compute is still committed."""
     levels = [0, 0, 1, 1, 0, 0, 0]
-    monkeypatch.setattr(loader_mod._Load, "choose", lambda self, plan, k, prev, costs: (levels[plan.order[k]], 1.0))
+    monkeypatch.setattr(
+        loader_mod._Load, "choose", lambda self, plan, k, prev, costs: (levels[plan.order[k]], 1.0, None)
+    )
     joins: list[bool] = []
     real = loader_mod._Load.book
 

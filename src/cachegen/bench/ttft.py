@@ -156,8 +156,9 @@ def _time_load(model, loader: StreamingLoader, ctx: Sequence[int], tail: Sequenc
 def _chunk_times(d) -> dict:
     """One chunk of a load as a row's ``chunks`` lists it: its index, its choice (a level or rung
     index, or ``"text"``), bytes, and when (seconds from the load's start) it was fetched and decoded
-    (a chunk decoded in a batch has the batch's span and its share of the batch's time as ``decode_s``)."""
-    keep = ("index", "choice", "bytes", "fetch_start", "fetch_end", "decode_start", "decode_end", "decode_s")
+    (a chunk decoded in a batch has the batch's span and its share of the batch's time as ``decode_s``),
+    and whether it kept a steady choice without a decision (``kept``, :class:`LoaderOptions`)."""
+    keep = ("index", "choice", "bytes", "fetch_start", "fetch_end", "decode_start", "decode_end", "decode_s", "kept")
     return {k: getattr(d, k) for k in keep}
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -119,6 +119,9 @@ class Prediction:
     finish_s: float  # predicted end of this chunk's compute, from now
     total_s: float  # predicted end of all remaining chunks (with the cheapest tail)
     fits: bool
+    # choose_fastest: this choice kept for every remaining chunk is the best plan predicted (the
+    # loader may then keep it a few chunks without deciding again)
+    steady: bool = False
 
 
 def chunk_costs(
@@ -506,7 +509,8 @@ def choose_fastest(
         one = preds[min(single, key=single.__getitem__)]
         if best.choice != one.choice and best.total_s > (1 - MIX_MARGIN) * one.total_s and (one.fits or not best.fits):
             return one
-    return best
+    # steady: no mix is predicted to end sooner than this format kept for the rest
+    return replace(best, steady=best.choice in single and single[best.choice] <= best.total_s)
 
 
 def choose_rule(
@@ -539,6 +543,32 @@ def _cold_start(
     _n, c = _step(0.0, cpu_busy_s, ch, probe, est_gbps, costs, None)
     _, ct = _step(0.0, cpu_busy_s, ch, TEXT, est_gbps, costs, None)
     return TEXT if ct < c and ch.start == 0 else probe
+
+
+def decide_fastest(
+    remaining: Sequence[PlanChunk],
+    costs: CostModel,
+    *,
+    time_left_s: float | None,
+    cpu_busy_s: float,
+    est_gbps: float,
+    tail_gbps: float,
+    known: bool,
+    prev: Choice | None = None,
+    allowed: Sequence[int] | None = None,
+) -> tuple[Choice, bool]:
+    """The ``fastest`` policy's choice for ``remaining[0]`` (:func:`decide`), and whether keeping it
+    for the rest is the best plan predicted (:attr:`Prediction.steady`; never for a cold
+    estimator's probe, which must be followed by a real decision)."""
+    ch = remaining[0]
+    if not ch.sizes:
+        return TEXT, False
+    if not known:
+        return _cold_start(ch, cpu_busy_s, est_gbps, costs, allowed), False
+    left = math.inf if time_left_s is None else time_left_s
+    st = PipelineState(time_left_s=left, cpu_busy_s=cpu_busy_s, prev=prev)
+    p = choose_fastest(remaining, est_gbps, costs, st, allowed, tail_gbps=tail_gbps)
+    return p.choice, p.steady
 
 
 def decide(
@@ -578,11 +608,17 @@ def decide(
     if isinstance(policy, int):
         return policy if policy in ch.sizes else TEXT
     if policy == FASTEST:
-        if not known:
-            return _cold_start(ch, cpu_busy_s, est_gbps, costs, allowed)
-        left = math.inf if time_left_s is None else time_left_s
-        st = PipelineState(time_left_s=left, cpu_busy_s=cpu_busy_s, prev=prev)
-        return choose_fastest(remaining, est_gbps, costs, st, allowed, tail_gbps=tail_gbps).choice
+        return decide_fastest(
+            remaining,
+            costs,
+            time_left_s=time_left_s,
+            cpu_busy_s=cpu_busy_s,
+            est_gbps=est_gbps,
+            tail_gbps=tail_gbps,
+            known=known,
+            prev=prev,
+            allowed=allowed,
+        )[0]
     if time_left_s is None:
         return min(options(ch, allowed, text=False), default=TEXT)
     probe = smallest_level(ch, allowed)
