@@ -109,3 +109,70 @@ def test_other_policies_never_keep_and_a_negative_count_is_refused():
         assert res.result is not None and not any(d.kept for d in res.result.decisions)
     with pytest.raises(ConfigError, match="steady_chunks must be >= 0"):
         LoaderOptions(steady_chunks=-1)
+
+
+def test_what_the_fastest_decision_is_given(monkeypatch):
+    """Each decision gets the time left to the deadline, the link's estimates as they stand, the
+    previous choice and the allowed levels; each chunk records the estimate it was decided on."""
+    from cachegen.stream import loader as loader_mod
+
+    est = ThroughputEstimator(prior_gbps=0.5)
+    seen: list[dict] = []
+    real = loader_mod.decide_fastest
+
+    def spy(remaining, costs, **kw):
+        assert kw["est_gbps"] == est.next_estimate(first_of_load=kw["prev"] is None)
+        assert kw["tail_gbps"] == est.tail_estimate()
+        seen.append(kw)
+        return real(remaining, costs, **kw)
+
+    monkeypatch.setattr(loader_mod, "decide_fastest", spy)
+    opts = LoaderOptions(policy=FASTEST, slo_s=2.0, recency_boost=0, levels=(0, 7), steady_chunks=0)
+    rise = Trace([(0, 0.5), (4, 2.0)], by="chunk")  # the latest sample and the estimate part ways
+    res = replay_load(chunks(), rise, COSTS, opts, est, cpu_noise=0.0)
+    assert res.result is not None and len(seen) == 16
+    assert [kw["prev"] for kw in seen] == [None, *res.choices[:-1]]
+    assert all(kw["allowed"] == (0, 7) for kw in seen)
+    lefts = [kw["time_left_s"] for kw in seen]
+    assert 0 < lefts[-1] < lefts[0] <= 2.0
+    assert [d.est_gbps for d in res.result.decisions] == [kw["est_gbps"] for kw in seen]
+    assert len({kw["est_gbps"] for kw in seen}) > 2
+    seen.clear()
+    replay_load(chunks(), rise, COSTS, LoaderOptions(policy=FASTEST, slo_s=None, recency_boost=0), est, cpu_noise=0.0)
+    assert seen and all(kw["time_left_s"] is None for kw in seen)
+
+
+def test_a_small_relative_move_of_a_slow_link_ends_the_kept_choice():
+    """At 0.1 Gbit/s a drop to 0.05 moves the estimate by half (the tolerance is relative); its
+    window's mean moves less, and the chunk after the slow fetch is decided again all the same."""
+    step = Trace([(0, 0.1), (5, 0.05)], by="chunk")
+    res = _replay(step, gbps=0.1)
+    assert res.result is not None
+    kept = [d.kept for d in res.result.decisions]
+    assert kept[:5] == [False, True, True, True, False] and kept[6] is False
+
+
+def test_a_kept_choice_that_a_chunk_does_not_store_is_decided_again():
+    cs = chunks()
+    cs[2] = PlanChunk(2, cs[2].start, 256, 256 * VPT, {l: s for l, s in cs[2].sizes.items() if l != 7})
+    opts = LoaderOptions(policy=FASTEST, slo_s=None, recency_boost=0)
+    res = replay_load(cs, constant(0.1), COSTS, opts, ThroughputEstimator(prior_gbps=0.1), cpu_noise=0.0)
+    assert res.result is not None and not res.result.faults
+    assert res.choices[1] == 7 and res.choices[2] != 7
+    assert [d.kept for d in res.result.decisions[:3]] == [False, True, False]
+
+
+def test_recomputing_every_chunk_is_never_kept():
+    """Where recompute is far cheaper than any fetch, every chunk is recomputed, each decided (text
+    is no format to keep: a plan of text is not a plan of one format) with the estimate it records."""
+    cheap = CostModel(
+        decode_s_per_mvalue=COSTS.decode_s_per_mvalue,
+        recompute_fixed_s=0.0,
+        recompute_s_per_token=1e-6,
+        recompute_s_per_token_ctx=0.0,
+    )
+    opts = LoaderOptions(policy=FASTEST, slo_s=None, recency_boost=0)
+    res = replay_load(chunks(), constant(0.01), cheap, opts, ThroughputEstimator(prior_gbps=0.01), cpu_noise=0.0)
+    assert res.result is not None and set(res.choices) == {TEXT}
+    assert not any(d.kept for d in res.result.decisions)
+    assert all(d.est_gbps == 0.01 for d in res.result.decisions)

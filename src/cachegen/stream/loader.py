@@ -258,7 +258,6 @@ class TextChosen:
     pos: int
     est_gbps: float
     reason: str  # "planned" or "not stored"
-    kept: bool = False
 
 
 @dataclass
@@ -628,9 +627,7 @@ class _Load:
         """Whether ``chunk`` takes the steady choice without a decision: fewer than
         ``steady_chunks`` took it since, the chunk is stored at it, and the link's estimates are
         within :data:`STEADY_TOLERANCE` of those it was made with."""
-        if steady is None or steady.kept >= self.o.steady_chunks:
-            return False
-        if steady.choice != TEXT and steady.choice not in chunk.sizes:
+        if steady is None or steady.kept >= self.o.steady_chunks or steady.choice not in chunk.sizes:
             return False
         e = self.l.estimator
         return all(
@@ -672,7 +669,7 @@ class _Load:
             before, prev = prev, choice
             if choice == TEXT:
                 self.book(pos, chunk, TEXT, costs)
-                msg = TextChosen(pos, est, "not stored" if not chunk.sizes else "planned", kept)
+                msg = TextChosen(pos, est, "not stored" if not chunk.sizes else "planned")
                 if pos == plan.early:  # a recompute needs the chunks before it: do it last
                     deferred = msg
                 else:
@@ -731,7 +728,7 @@ class _Load:
             handled += 1
             if isinstance(msg, (Fetched, FetchFailed, TextChosen)):
                 d = decisions[msg.pos]
-                d.est_gbps, d.kept = msg.est_gbps, msg.kept
+                d.est_gbps = msg.est_gbps
             if isinstance(msg, TextChosen):
                 d.choice, d.reason = TEXT, msg.reason
                 self.start(msg.pos)
@@ -780,7 +777,7 @@ class _Load:
                     continue
                 break
             if isinstance(msg, FetchFailed):
-                d.choice = msg.level
+                d.choice, d.kept = msg.level, msg.kept
                 d.fetch_start, d.fetch_end = msg.fetch_start, msg.fetch_end
                 failed.add(msg.pos)
                 self.fault(res, msg.fault)
