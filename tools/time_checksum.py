@@ -15,21 +15,15 @@ import argparse
 import hashlib
 import os
 import tempfile
-import time
 from collections.abc import Callable
 
 from cachegen.store.backend import ChunkWrite, checksum
 from cachegen.store.local import LocalBackend
+from cachegen.stream.costs import best_time
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+    return best_time(fn, repeats) * 1e3
 
 
 def main() -> None:

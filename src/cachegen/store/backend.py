@@ -55,9 +55,9 @@ def checksum(data: bytes) -> bytes:
     Why not a cryptographic hash: the checksum is there to catch torn writes, truncation and bit
     rot, which CRC-32 detects (every burst of up to 32 bits, anything else but 1 in 2^32); whoever
     can write a payload can write its checksum too, and a payload stored under another key is
-    caught by the codec (each chunk carries its key's digest). blake2b-128 took 4.0-5.4 ms over 3 MB
+    caught by the codec (each chunk carries its key's digest). blake2b-128 took 3.6-5.4 ms over 3 MB
     here, more than the 2.4 ms the transfer takes at 10 Gbit/s, and every fetch paid it; CRC-32
-    takes 0.95-1.3 ms (``tools/time_checksum.py``)."""
+    takes 0.8-1.4 ms (``tools/time_checksum.py``)."""
     return zlib.crc32(data).to_bytes(CHECKSUM_SIZE, "little")
 
 

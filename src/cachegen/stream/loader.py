@@ -106,8 +106,8 @@ class LoaderOptions:
     ``dtype``: of the load's cache (None: the first chunk's). ``values_per_token``: K
     and V values per token over all layers, for the decode-cost model (None: the plan
     counts only the fixed part of each decode). ``steady_chunks``: when the fastest policy
-    finds that keeping its choice for every remaining chunk is within its mix margin of the best
-    plan (:attr:`~cachegen.stream.planner.Prediction.steady`), the next this many chunks take it
+    finds that keeping its choice for every remaining chunk is the best plan it predicts
+    (:attr:`~cachegen.stream.planner.Prediction.steady`), the next this many chunks take it
     without a decision, while the link's estimates stay within :data:`STEADY_TOLERANCE` of those
     it was made with (0: decide every chunk). Why: a decision is Python on the fetch thread, and
     the GIL it holds slows the decode beside it (at 10 Gbit/s an 8-bit chunk decoded in 5-6 ms
@@ -589,18 +589,19 @@ class _Load:
         g, last = e.next_estimate(first_of_load=prev is None), e.last()
         if o.policy == FASTEST:
             remaining = [plan.chunks[j] for j in plan.order[k:]]
+            tail = e.tail_estimate()
             choice, steady = decide_fastest(
                 remaining,
                 costs,
                 time_left_s=None if self.slo is None else plan.deadline - self.l.clock(),
                 cpu_busy_s=self.cpu.busy(),
                 est_gbps=g,
-                tail_gbps=e.tail_estimate(),
+                tail_gbps=tail,
                 known=e.known,
                 prev=prev,
                 allowed=o.levels,
             )
-            keep = _Steady(choice, g, e.tail_estimate(), costs) if steady and o.steady_chunks else None
+            keep = _Steady(choice, g, tail, costs) if steady and o.steady_chunks else None
             return choice, g, keep
         n = len(plan.chunks)
         share = max(self.slo - o.reserve_s, 0.0) / n if self.slo is not None else None
