@@ -337,6 +337,98 @@ def test_decode_into_refuses_the_wrong_slot_and_bad_bytes_before_writing(name):
     assert untouched()
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(1, 40),
+    st.sampled_from([(8, 8), (16, 8), (4, 12)]),
+    st.integers(0, 20),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.integers(0, 2**31),
+)
+def test_uniform8_one_call_decode_matches_decode(layers, heads, tokens, dims, at, dtype, seed):
+    """The 8-bit decode's one compiled call (every layer's K and V at the destinations' addresses)
+    writes what decoding and casting gives, bit for bit, into any range of a larger cache, with K
+    and V of different widths, and nothing outside that range."""
+    from cachegen.bench.baselines._format import _read_header, dequant8_chunk_into
+
+    codec = B.UniformCodec(8)
+    dk, dv = dims
+    kv = _kv(layers=layers, heads=heads, tokens=tokens, dk=dk, dv=dv, start=at, seed=seed % 1000)
+    data = codec.encode(kv, key="k")
+    out = KVCache.allocate(kv, at + tokens + 7, start=0, dtype=dtype)
+    for l in out.layers:
+        l.k.fill_(7.0)
+        l.v.fill_(7.0)
+    r = Reader(memoryview(data), "chunk")
+    _, _, shapes = _read_header(r, "uniform8", "k")
+    assert dequant8_chunk_into(r.rest(), shapes, out.slice(at, at + tokens))  # the compiled path is taken
+    want = KVCache.allocate(kv, at + tokens + 7, start=0, dtype=dtype)
+    for l in want.layers:
+        l.k.fill_(7.0)
+        l.v.fill_(7.0)
+    want.write(codec.decode(data, key="k"))
+    for a, b in zip(want.layers, out.layers):
+        for x, y in ((a.k, b.k), (a.v, b.v)):  # bit patterns: -0.0 and 0.0 differ
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+def test_uniform8_one_call_decode_leaves_other_caches_to_the_layer_loop():
+    """Caches the compiled call cannot write (float16; rows that are not contiguous) decline it, and
+    the per-layer path still decodes them exactly."""
+    from cachegen.bench.baselines._format import _read_header, dequant8_chunk_into
+
+    codec = B.UniformCodec(8)
+    kv = _kv(layers=2, heads=2, tokens=24, dk=8, dv=8)
+    data = codec.encode(kv)
+    want = codec.decode(data)
+    transposed = KVCache(
+        [
+            KVLayer(torch.empty(2, 8, 24).transpose(1, 2), torch.empty(2, 8, 24).transpose(1, 2), l.kind, l.window)
+            for l in kv.layers
+        ]
+    )
+    for out in (KVCache.allocate(kv, 24, dtype=torch.float16), transposed):
+        r = Reader(memoryview(data), "chunk")
+        _, _, shapes = _read_header(r, "uniform8", None)
+        assert not dequant8_chunk_into(r.rest(), shapes, out)
+        codec.decode_into(data, out)
+        for a, b in zip(want.to(out.dtype).layers, out.layers):
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+def test_half_to_float_is_numpys_for_every_finite_half():
+    """The compiled decode reads fp16 mins and steps itself (numba has no float16): every finite
+    bit pattern, normal and subnormal, both signs, gives numpy's float32 exactly."""
+    from cachegen.bench.baselines._format import _half
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = np.isfinite(bits.view(np.float16))
+    buf = bits.view(np.uint8).copy()
+    got = np.array([_half(buf, 2 * int(i)) for i in np.flatnonzero(finite)], np.float32)
+    assert np.array_equal(got.view(np.uint32), bits[finite].view(np.float16).astype(np.float32).view(np.uint32))
+
+
+def test_uniform8_non_finite_step_in_the_last_layer_writes_nothing():
+    """Every min and step is checked before the first write: a bad one in the last layer's V leaves
+    the earlier layers untouched too."""
+    codec = B.UniformCodec(8)
+    kv = _kv(layers=3, heads=2, tokens=32, dk=8, dv=8)
+    data = bytearray(codec.encode(kv))
+    q = 2 * 32 * 8  # the last item's codes
+    step_at = len(data) - q - 2 * 2 * 8  # its fp16 steps
+    data[step_at + 4 : step_at + 6] = (0x7E00).to_bytes(2, "little")  # a half NaN
+    for dtype in (torch.float32, torch.bfloat16):
+        out = KVCache.allocate(kv, 32, dtype=dtype)
+        for l in out.layers:
+            l.k.zero_()
+            l.v.zero_()
+        with pytest.raises(CorruptChunk, match="non-finite"):
+            codec.decode_into(bytes(data), out)
+        assert all(float(l.k.abs().max()) == 0 and float(l.v.abs().max()) == 0 for l in out.layers)
+
+
 @pytest.mark.parametrize("name", ["fp16", "bf16", "uniform8"])
 def test_decode_into_refuses_non_finite_values(name):
     codec = B.baseline(name)

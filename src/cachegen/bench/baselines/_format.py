@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import njit
+from numba import carray, njit, types
+from numba.extending import intrinsic
 
 from cachegen.codec import _numba_env  # noqa: F401  # before numba
 from cachegen.codec.container import DIGEST_SIZE, Reader, key_digest
@@ -262,3 +263,115 @@ def _dequant_bf16(q, step, lo, out, off, head_stride):  # pragma: no cover - com
                 oj[k] = np.int16(
                     np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
                 )
+
+
+# -- one call per chunk: every layer's 8-bit K and V in one compiled pass ----------------------------
+#
+# Why: the loop above makes some 15 Python calls per layer and K/V. For a 256-token SmolLM2
+# chunk that is 2.3 ms of Python holding the GIL against 0.5-0.6 ms of compiled work, and the
+# fetch thread's Python beside it (the adaptive policy's decisions) waits on that GIL, or makes
+# the decode wait (``tools/time_dequant.py``). :func:`dequant8_chunk_into` checks the slot in
+# Python and hands the kernel the destinations' addresses: one call, without the GIL.
+
+
+@intrinsic
+def _as_ptr(typingctx, addr, dtype):  # pragma: no cover - compiled
+    """An integer address as a typed pointer (for :func:`numba.carray`); the caller vouches for it."""
+    ptr = types.CPointer(dtype.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(addr, dtype), codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _half(buf, at):  # pragma: no cover - compiled
+    """The little-endian IEEE half at ``buf[at:at + 2]`` as float32, exactly (a finite half: the
+    caller checks the exponent first)."""
+    h = np.uint32(buf[at]) | (np.uint32(buf[at + 1]) << np.uint32(8))
+    e = (h >> np.uint32(10)) & np.uint32(31)
+    m = np.float32(h & np.uint32(1023))
+    if e == 0:  # subnormal: m * 2**-24
+        v = m * np.float32(2.0**-24)
+    else:
+        v = (m + np.float32(1024)) * np.float32(2.0 ** (np.int64(e) - 25))
+    return -v if h >> np.uint32(15) else v
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _rows_f32(q, step, lo, out):  # pragma: no cover - compiled
+    """A head's rows (``q`` and ``out`` flat); each row's loop runs over a slice, which LLVM vectorizes."""
+    d = step.shape[0]
+    for j in range(0, q.shape[0], d):
+        _dequant_row(q[j : j + d], step, lo, out[j : j + d])
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _rows_bf16(q, step, lo, out, row):  # pragma: no cover - compiled
+    """:func:`_rows_f32` into bfloat16 bits (``out``: int16), through the float32 scratch ``row``,
+    rounded to nearest even as torch casts."""
+    d = step.shape[0]
+    bits = row.view(np.uint32)
+    for j in range(0, q.shape[0], d):
+        _dequant_row(q[j : j + d], step, lo, row)
+        oj = out[j : j + d]
+        for k in range(d):
+            b = bits[k]
+            oj[k] = np.int16(
+                np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+            )
+
+
+@njit(nogil=True, cache=True)
+def _dequant8_chunk(buf, at, dims, addrs, head_strides, bf16):  # pragma: no cover - compiled
+    """Write every (layer, K/V) item of an 8-bit chunk body starting at ``buf[at]``: per item a fp16
+    ``min[heads, dim]``, a fp16 ``step[heads, dim]``, then ``uint8 q[heads, tokens, dim]``. Item
+    ``i`` (``dims[i]`` = heads, tokens, dim) goes to float32 (bfloat16, as int16, when ``bf16``) rows
+    at ``addrs[i] + (head * head_strides[i] + token * dim) * itemsize``. Returns False, having
+    written nothing, when a min or step is not finite."""
+    n = dims.shape[0]
+    p = at
+    for i in range(n):  # every min and step checked before the first write
+        h, t, d = dims[i, 0], dims[i, 1], dims[i, 2]
+        for j in range(p + 1, p + 4 * h * d, 2):  # a half's high byte: all five exponent bits set
+            if buf[j] & 0x7C == 0x7C:
+                return False
+        p += 4 * h * d + h * t * d
+    p = at
+    for i in range(n):
+        h, t, d = dims[i, 0], dims[i, 1], dims[i, 2]
+        lo, step, row = np.empty(d, np.float32), np.empty(d, np.float32), np.empty(d, np.float32)
+        q0 = p + 4 * h * d
+        for a in range(h):
+            for k in range(d):
+                lo[k] = _half(buf, p + 2 * (a * d + k))
+                step[k] = _half(buf, p + 2 * (h * d + a * d + k))
+            qa = buf[q0 + a * t * d : q0 + (a + 1) * t * d]
+            if bf16:
+                _rows_bf16(qa, step, lo, carray(_as_ptr(addrs[i] + 2 * a * head_strides[i], np.int16), (t * d,)), row)
+            else:
+                _rows_f32(qa, step, lo, carray(_as_ptr(addrs[i] + 4 * a * head_strides[i], np.float32), (t * d,)))
+        p = q0 + h * t * d
+    return True
+
+
+def dequant8_chunk_into(body: memoryview, shapes: list[_LayerShape], out: KVCache) -> bool:
+    """Dequantize an 8-bit chunk's body (its layers' min, step and codes, after the header) into
+    ``out`` in one compiled call. False, having done nothing, when ``out``'s tensors are not what
+    the kernel writes (CPU float32 or bfloat16 with contiguous rows; the caller then takes the
+    per-layer path); :class:`CorruptChunk`, having written nothing, on a non-finite min or step.
+    ``shapes`` must match ``out`` (:func:`_check_slot`) and ``body`` be exactly their size."""
+    dsts = [x for l in out.layers for x in (l.k, l.v)]
+    dtype = out.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or any(
+        x.dtype != dtype or x.device.type != "cpu" or x.stride(2) != 1 or x.stride(1) != x.shape[2] for x in dsts
+    ):
+        return False
+    dims = np.array([(s.heads, s.tokens, d) for s in shapes for d in (s.dk, s.dv)], np.int64).reshape(-1, 3)
+    addrs = np.array([x.data_ptr() for x in dsts], np.int64)
+    strides = np.array([x.stride(0) for x in dsts], np.int64)
+    buf = np.frombuffer(body, np.uint8)
+    if not _dequant8_chunk(buf, 0, dims, addrs, strides, dtype == torch.bfloat16):
+        raise CorruptChunk("non-finite values")
+    return True

@@ -15,6 +15,7 @@ from cachegen.bench.baselines._format import (
     _read_header,
     _write_header,
     _Writer,
+    dequant8_chunk_into,
     pack_bits,
     packed_len,
     unpack_bits,
@@ -76,6 +77,10 @@ class UniformCodec:
         )
         if need != r.left:
             raise CorruptChunk(f"{what}: {r.left} bytes after the header, its layers need {need}")
+        body = r.rest()
+        if self.bits == 8 and dequant8_chunk_into(body, shapes, out):
+            return out
+        r = Reader(body, what)  # caches the compiled call does not write: layer by layer
         for s, layer in zip(shapes, out.layers):
             for d, dst in ((s.dk, layer.k), (s.dv, layer.v)):
                 lo = r.array(np.float16, s.heads * d).reshape(s.heads, 1, d)
