@@ -444,3 +444,33 @@ def test_decode_into_refuses_non_finite_values(name):
         codec.decode(bytes(data))
     with pytest.raises(CorruptChunk, match="non-finite"):
         codec.decode_into(bytes(data), KVCache.allocate(kv, 32))
+
+
+@pytest.mark.parametrize("name", INTO)
+def test_layout_is_decodes_layout_and_the_body_must_hold_it(name):
+    """The raw and uniform codecs read a chunk's layout from its header (a ReadsLayout, for the
+    loader's first chunk): decode's start, kinds, windows and widths in float32, no token. The
+    bytes after the header must be what those layers need, so a header cannot size an allocation
+    past the chunk's own bytes."""
+    from cachegen.codec.protocol import ReadsLayout
+
+    codec = B.baseline(name)
+    assert isinstance(codec, ReadsLayout)
+    data = codec.encode(_kv(layers=3, heads=2, tokens=24, dk=8, dv=16, start=40, sliding=True), 0)
+    got, want = codec.layout(data), codec.decode(data)
+    assert got.num_tokens == 0 and got.start == 40 and got.same_layout(want) and got.dtype == torch.float32
+    for bad in (data[:-1], data + b"\0"):
+        with pytest.raises(CorruptChunk, match="bytes after the header"):
+            codec.layout(bad)
+    with pytest.raises(CorruptChunk):
+        B.baseline("fp16" if name != "fp16" else "bf16").layout(data)
+
+
+def test_a_ladder_reads_the_layout_of_its_rungs_that_can():
+    from cachegen.stream import FormatLadder, Rung
+
+    ladder = FormatLadder([Rung("uniform8", B.UniformCodec(8), 0), Rung("kivi2", B.baseline("kivi2"), 0)])
+    kv = _kv(layers=2, tokens=32, start=64)
+    assert ladder.layout(ladder.encode(kv, 0)).same_layout(kv)
+    assert ladder.layout(ladder.encode(kv, 0)).start == 64
+    assert ladder.layout(ladder.encode(kv, 1)) is None  # KIVI reads no layout: the loader decodes first

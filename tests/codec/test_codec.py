@@ -164,6 +164,29 @@ def test_profile_mismatch(profile):
         Codec(model_fingerprint="another-model").decode(data)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layout_is_decodes_layout_read_from_the_header(profile, dtype):
+    """``layout`` (a ReadsLayout): the start, layer kinds, windows and widths, dtype and meta that
+    ``decode`` gives, with no token; refused as ``decode`` refuses a chunk (another model's, a
+    layout the profile does not have, a broken header)."""
+    from cachegen.codec.protocol import ReadsLayout
+
+    codec = Codec(profile)
+    assert isinstance(codec, ReadsLayout)
+    for level in (LOSSLESS, 4):
+        data = codec.encode(rand_kv(3, start=96, dtype=dtype), level)
+        got, want = codec.layout(data), codec.decode(data)
+        assert got.num_tokens == 0 and got.start == 96 and got.same_layout(want)
+        assert got.dtype == want.dtype == dtype and got.meta == want.meta == {"model_fingerprint": "fp-test"}
+    with pytest.raises(ProfileMismatch):
+        Codec(profile, model_fingerprint="another-model").layout(data)
+    wider = Codec(profile).encode(rand_kv(4, D=8), LOSSLESS)  # lossless: encodes any layout
+    with pytest.raises(CorruptChunk, match="layout"):
+        codec.layout(wider)
+    with pytest.raises(CorruptChunk):
+        codec.layout(data[:40])
+
+
 def test_profile_serialization(profile, tmp_path):
     p = tmp_path / "p.cgprof"
     profile.save(p)

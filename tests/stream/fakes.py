@@ -115,6 +115,40 @@ class ToyCodec:
         return out
 
 
+class LayoutToyCodec(ToyCodec):
+    """:class:`ToyCodec` that also decodes into a slot (a DecodesInto: decode, check the range, copy)
+    and reads a chunk's layout from its header (a ReadsLayout; ``layout_none``: says it cannot).
+    ``calls`` records ``decode``, ``into`` and ``layout`` in order."""
+
+    def __init__(self, *args, layout_none: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.layout_none = layout_none
+        self.calls: list[str] = []
+
+    def decode(self, blob: bytes, *, key: str | None = None) -> KVCache:
+        self.calls.append("decode")
+        return super().decode(blob, key=key)
+
+    def decode_into(self, blob: bytes, out: KVCache, *, key: str | None = None) -> KVCache:
+        self.calls.append("into")
+        kv = super().decode(blob, key=key)
+        if (kv.start, kv.num_tokens) != (out.start, out.num_tokens) or not kv.same_layout(out):
+            raise CorruptChunk("chunk does not fit its slot")
+        out.write(kv)
+        return out
+
+    def layout(self, blob: bytes) -> KVCache | None:
+        self.calls.append("layout")
+        if self.layout_none:
+            return None
+        if len(blob) < _HDR.size:
+            raise CorruptChunk("too short")
+        magic, _level, start, nl, h, _t, d, _kd = _HDR.unpack_from(blob)
+        if magic != MAGIC:
+            raise CorruptChunk("bad magic")
+        return KVCache([KVLayer(torch.empty(h, 0, d), torch.empty(h, 0, d)) for _ in range(nl)], start=start)
+
+
 class FaultyCodec:
     """Wraps a codec; decoding the chunk that starts at a token in ``fail_at`` raises the
     exception given for it (``MemoryError``, ``OverflowError``, a bug's ``TypeError``...)."""

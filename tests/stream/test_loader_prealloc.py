@@ -296,3 +296,62 @@ def test_a_ladder_sends_each_run_of_one_codec_in_one_call(codec, monkeypatch):
         lad.decode_many_into([blobs[0], bytes([9]) + blobs[1][1:]], out.slice(0, 2 * CHUNK), [CHUNK, CHUNK])
     with pytest.raises(ConfigError, match="do not tile"):
         lad.decode_many_into(blobs, out, [CHUNK] * 4)
+
+
+# -- the cache allocated from the first chunk's header ------------------------------------------
+
+VPT = 3 * 2 * (16 + 16)  # the toy model: 3 layers, 2 heads, K and V of 16
+
+
+def refuse_decode(monkeypatch, codec):
+    def refuse(data, *, key=None):
+        raise AssertionError("the loader decoded a chunk into a cache of its own")
+
+    monkeypatch.setattr(codec, "decode", refuse)
+
+
+@pytest.mark.parametrize("level", [LOSSLESS, 7])
+def test_the_first_chunk_decodes_into_a_cache_allocated_from_its_header(real_store, codec, level, monkeypatch):
+    """With the model's values per token known, the loader reads the first chunk's layout from its
+    header, allocates the cache and decodes that chunk into it like every other: no chunk-sized
+    cache is decoded and copied (``decode`` is never called), and the bits are the same."""
+    model, store, tokens, _kv = real_store
+    infos = store.plan(tokens)
+    ref = KVCache.concat([codec.decode(store.get(i.ref, level), key=i.ref.key).to(torch.bfloat16) for i in infos])
+    refuse_decode(monkeypatch, codec)
+    opts = LoaderOptions(policy=level, slo_s=None, dtype=torch.bfloat16, values_per_token=VPT)
+    res = StreamingLoader(store, codec, model.recompute, opts).load(tokens)
+    assert not res.faults and res.choices == [level] * len(infos)
+    same_bits(res.kv, ref)
+    assert res.kv.meta == ref.meta
+
+
+@pytest.mark.parametrize("vpt", [None, VPT - 1])
+def test_without_the_models_values_per_token_the_first_chunk_is_decoded_first(real_store, codec, vpt, monkeypatch):
+    """A header never sizes the allocation alone: with the values per token unknown, or not the
+    header's, the first chunk is decoded into a cache of its own and copied, as before."""
+    model, store, tokens, _kv = real_store
+    calls = []
+    real = codec.decode
+
+    def counting(data, *, key=None):
+        calls.append(key)
+        return real(data, key=key)
+
+    monkeypatch.setattr(codec, "decode", counting)
+    opts = LoaderOptions(policy=7, slo_s=None, values_per_token=vpt)
+    res = StreamingLoader(store, codec, model.recompute, opts).load(tokens)
+    assert not res.faults and len(calls) == 1
+
+
+def test_a_first_chunk_that_fails_after_its_header_leaves_no_cache_of_its_layout(real_store, codec):
+    """The first chunk's header is sound and its payload corrupt: the cache allocated from the
+    header is dropped with it, and the load recomputes from the start into a cache of the
+    recompute's layout, as a full recompute gives it."""
+    model, store, tokens, _kv = real_store
+    bad = FaultyStore(store, {0: "corrupt"})
+    opts = LoaderOptions(policy=LOSSLESS, slo_s=None, values_per_token=VPT)
+    res = StreamingLoader(bad, codec, model.recompute, opts).load(tokens)
+    assert len(res.faults) == 1 and set(res.choices) == {TEXT}
+    want = model.recompute(None, tokens[: res.kv.end])
+    same_bits(res.kv, want.to(res.kv.dtype))

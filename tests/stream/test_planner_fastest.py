@@ -250,6 +250,21 @@ def test_a_mix_that_saves_less_than_the_margin_gives_way_to_one_format(monkeypat
     assert p.choice == 7 and p.fits
 
 
+def test_a_deadline_the_single_format_misses_makes_the_fastest_decision_take_the_mix():
+    """The fastest policy reads the time left only through the mix margin's deadline test: the
+    mix of the test above, within the margin, is given up for 8-bit KV alone with no deadline,
+    and kept with a deadline only the mix meets (0.048 s: 8-bit KV alone ends at 0.049 s, the mix
+    at 0.0468 s), through ``decide`` as through ``decide_fastest``."""
+    from cachegen.stream.planner import decide_fastest
+
+    costs = CostModel(decode_s_per_mvalue={1: 0.001, 7: 0.012}, decode_fixed_s=0.0, fetch_latency_s=0.0)
+    chunks = [PlanChunk(i, 256 * i, 256, 1_000_000, {1: 3_000_000, 7: 200_000}) for i in range(20)]
+    args = dict(cpu_busy_s=0.0, est_gbps=10.0, tail_gbps=10.0, known=True)
+    for left, want in ((None, 1), (0.048, 7), (0.0495, 1)):
+        assert decide_fastest(chunks, costs, time_left_s=left, **args)[0] == want, left
+        assert decide("fastest", chunks, costs, time_left_s=left, last_gbps=10.0, **args) == want, left
+
+
 def test_a_mix_that_saves_exactly_the_margin_is_taken(monkeypatch):
     """The mix must save at least the margin: saving it exactly keeps the mix."""
     from cachegen.stream import planner

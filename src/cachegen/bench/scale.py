@@ -147,20 +147,20 @@ def _child(job: dict) -> dict:
     try:
         bench.set_bandwidth(job["bandwidth_gbps"])
         level = job.get("level")
+        vpt = job["values_per_token"]
         codec: Any
         if job["method"] == "uniform8":
-            codec, label, opts = UniformCodec(8), "uniform8", LoaderOptions(policy=0, slo_s=None, dtype=model.dtype)
+            codec, label = UniformCodec(8), "uniform8"
+            opts = LoaderOptions(policy=0, slo_s=None, dtype=model.dtype, values_per_token=vpt)
         elif job["method"] == "cachegen":
             if level is None:
                 raise ConfigError("the cachegen method needs its level")
             codec, label = project_codec(lm), f"cachegen/L{level}"
-            opts = LoaderOptions(policy=int(level), slo_s=None, dtype=model.dtype)
+            opts = LoaderOptions(policy=int(level), slo_s=None, dtype=model.dtype, values_per_token=vpt)
         else:
             codec = adaptive_ladder([Variant(project_codec(lm), int(level))] if level is not None else [])
             label = _adaptive_label(level)
-            opts = LoaderOptions(
-                policy=FASTEST, slo_s=None, dtype=model.dtype, values_per_token=job["values_per_token"]
-            )
+            opts = LoaderOptions(policy=FASTEST, slo_s=None, dtype=model.dtype, values_per_token=vpt)
         store = bench.store(lm.fingerprint, label, job["chunk_tokens"], codec)
         costs = CostModel.from_json(job["costs"]) if job.get("costs") else None
         est = ThroughputEstimator()

@@ -163,10 +163,18 @@ def _chunk_times(d) -> dict:
 
 
 def time_kv_method(
-    model, bench: _Bench, store: ContextStore, variant: Variant, ctx: Sequence[int], tail: Sequence[int]
+    model,
+    bench: _Bench,
+    store: ContextStore,
+    variant: Variant,
+    ctx: Sequence[int],
+    tail: Sequence[int],
+    values_per_token: int | None = None,
 ) -> dict:
-    """One request: the loader at the variant's level, then the cache into the model and the first token."""
-    opts = LoaderOptions(policy=variant.level, slo_s=None, dtype=model.dtype)
+    """One request: the loader at the variant's level, then the cache into the model and the first
+    token (``values_per_token``: the loader's, as the adaptive method's; it lets the loader allocate
+    the cache from the first chunk's header)."""
+    opts = LoaderOptions(policy=variant.level, slo_s=None, dtype=model.dtype, values_per_token=values_per_token)
     loader = StreamingLoader(store, variant.codec, _recompute_fn(model), opts, link=bench.link)
     return _time_load(model, loader, ctx, tail, variant.label)[0]
 
@@ -397,4 +405,4 @@ def time_method(
         if costs is None:
             raise ConfigError("the adaptive method needs its cost model")
         return time_adaptive(model, bench, m.store, m.codec, costs, estimator, ctx, tail, values_per_token, rates)
-    return time_kv_method(model, bench, m.store, m.codec, ctx, tail)
+    return time_kv_method(model, bench, m.store, m.codec, ctx, tail, values_per_token)

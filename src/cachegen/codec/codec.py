@@ -38,7 +38,7 @@ from cachegen.codec.container import (
 )
 from cachegen.codec.fit import calibrate
 from cachegen.codec.profile import LEVELS, PRECISION, TABLE_PAD, Profile
-from cachegen.codec.protocol import check_tiling
+from cachegen.codec.protocol import check_tiling, empty_layers_cache
 from cachegen.codec.transform import forward_section, inverse_section_into
 from cachegen.errors import CodecError, ConfigError, CorruptChunk, ProfileMismatch
 from cachegen.kv import KVCache, KVLayer
@@ -207,6 +207,21 @@ class Codec:
     def peek(self, data: bytes) -> ChunkHeader:
         """The chunk's header (validated), without decoding the payload."""
         return parse_header(data)
+
+    def layout(self, data: bytes) -> KVCache:
+        """The chunk's start and layout as a cache of no tokens, in the dtype and with the ``meta``
+        :meth:`decode` gives (a :class:`~cachegen.codec.protocol.ReadsLayout`), from the header
+        alone: checked as :meth:`decode` checks it (limits, the profile's layout, the model)."""
+        h = parse_header(data)
+        self._check_bounds(h)
+        if self.model_fingerprint and h.model_fingerprint and self.model_fingerprint != h.model_fingerprint:
+            raise ProfileMismatch(f"chunk is for model {h.model_fingerprint}, this codec for {self.model_fingerprint}")
+        return empty_layers_cache(
+            ((l.kind, l.window, l.heads, l.k_dim, l.v_dim) for l in h.layers),
+            h.start,
+            h.dtype,
+            {"model_fingerprint": h.model_fingerprint},
+        )
 
     def _check_bounds(self, h: ChunkHeader) -> None:
         """The chunk's size against this codec's limits and its layout against the profile, from the header alone."""

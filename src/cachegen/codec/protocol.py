@@ -10,16 +10,20 @@ falls back to ``decode`` plus a copy where it does not, so every codec works wit
 the loader's preallocated cache. A codec may decode several consecutive chunks in
 one call (:class:`DecodesManyInto`), sharing per-call costs; :func:`decode_many_into`
 falls back to one :func:`decode_into` per chunk. A codec may say which of its
-levels share decoding code (:class:`NamesDecoders`).
+levels share decoding code (:class:`NamesDecoders`), and read a chunk's layout from its
+header without decoding it (:class:`ReadsLayout`), so the loader allocates its cache before the
+first chunk's decode and decodes that chunk into it too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeGuard, runtime_checkable
 
+import torch
+
 from cachegen.errors import ConfigError, CorruptChunk
-from cachegen.kv import KVCache
+from cachegen.kv import KVCache, KVLayer, LayerKind
 
 
 @runtime_checkable
@@ -51,6 +55,38 @@ class DecodesInto(Protocol):
     not use that range (the loader recomputes it)."""
 
     def decode_into(self, data: bytes, out: KVCache, *, key: str | None = None) -> KVCache: ...
+
+
+@runtime_checkable
+class ReadsLayout(Protocol):
+    """A codec that reads a chunk's start and layer layout (kinds, windows, heads, K and V widths)
+    from its header, without decoding it.
+
+    :meth:`layout` returns a cache of no tokens with that layout, the chunk's start, and the dtype
+    and ``meta`` that ``decode`` gives, or None when this chunk's format cannot tell; it raises
+    :class:`~cachegen.errors.CorruptChunk` for a header ``decode`` would refuse. Why: the loader
+    allocates its cache from the first chunk's layout and decodes that chunk into it, instead of
+    decoding it into a chunk-sized cache and copying (10-40 ms of a load's first decode)."""
+
+    def layout(self, data: bytes) -> KVCache | None: ...
+
+
+def empty_layers_cache(
+    layers: Iterable[tuple[LayerKind, int | None, int, int, int]],
+    start: int,
+    dtype: torch.dtype,
+    meta: dict | None = None,
+) -> KVCache:
+    """A cache of no tokens with ``layers``' layout: ``(kind, window, heads, k_dim, v_dim)`` each
+    (what :meth:`ReadsLayout.layout` returns)."""
+    return KVCache(
+        [
+            KVLayer(torch.empty((h, 0, dk), dtype=dtype), torch.empty((h, 0, dv), dtype=dtype), kind, window)
+            for kind, window, h, dk, dv in layers
+        ],
+        start=start,
+        meta=dict(meta or {}),
+    )
 
 
 @runtime_checkable

@@ -114,6 +114,13 @@ class FormatLadder:
         r, body = self._split(data)
         return r.codec.decode(cast(bytes, body), key=key)
 
+    def layout(self, data: bytes) -> KVCache | None:
+        """The chunk's start and layout from its rung's header, where the rung's codec reads it (a
+        :class:`~cachegen.codec.protocol.ReadsLayout`); None where it does not."""
+        r, body = self._split(data)
+        read = getattr(r.codec, "layout", None)
+        return read(cast(bytes, body)) if callable(read) else None
+
     def decode_into(self, data: bytes, out: KVCache, *, key: str | None = None) -> KVCache:
         from cachegen.codec.protocol import decode_into
 

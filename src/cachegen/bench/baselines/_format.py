@@ -10,6 +10,7 @@ through :class:`cachegen.codec.container.Reader` (the one bounds-checked reader)
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ from numba.extending import intrinsic
 
 from cachegen.codec import _numba_env  # noqa: F401  # before numba
 from cachegen.codec.container import DIGEST_SIZE, Reader, key_digest
+from cachegen.codec.protocol import empty_layers_cache
 from cachegen.errors import ConfigError, CorruptChunk, KeyMismatch
 from cachegen.kv import KVCache, KVLayer, LayerKind
 
@@ -113,6 +115,21 @@ def _check_slot(shapes: list[_LayerShape], start: int, out: KVCache, what: str) 
         for s, l in zip(shapes, out.layers)
     ):
         raise CorruptChunk(f"{what} has a different layout from the cache it is written into")
+
+
+def read_layout(data: bytes, name: str, body_size: Callable[[list[_LayerShape]], int]) -> KVCache:
+    """A baseline chunk's start and layout as a cache of no tokens, in float32 as ``decode`` gives
+    it (:class:`~cachegen.codec.protocol.ReadsLayout`), from the header alone. The bytes after the
+    header must be ``body_size(shapes)``, so a header cannot claim more values than the chunk holds."""
+    what = f"{name} chunk"
+    r = Reader(memoryview(data), what)
+    _, start, shapes = _read_header(r, name, None)
+    if len({s.tokens for s in shapes}) != 1:
+        raise CorruptChunk(f"{what}: its layers hold different numbers of tokens")
+    need = body_size(shapes)
+    if need != r.left:
+        raise CorruptChunk(f"{what}: {r.left} bytes after the header, its layers need {need}")
+    return empty_layers_cache(((s.kind, s.window, s.heads, s.dk, s.dv) for s in shapes), start, torch.float32)
 
 
 def _check_level(codec, level: int) -> None:

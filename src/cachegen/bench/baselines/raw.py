@@ -9,13 +9,20 @@ from cachegen.bench.baselines._format import (
     _build,
     _check_level,
     _check_slot,
+    _LayerShape,
     _read_header,
     _write_header,
     _Writer,
+    read_layout,
 )
 from cachegen.codec.container import Reader
 from cachegen.errors import ConfigError, CorruptChunk
 from cachegen.kv import KVCache
+
+
+def _body_size(shapes: list[_LayerShape]) -> int:
+    """Bytes after the header: every layer's K and V, two bytes a value."""
+    return sum(2 * s.heads * s.tokens * (s.dk + s.dv) for s in shapes)
 
 
 class RawCodec:
@@ -40,6 +47,10 @@ class RawCodec:
                 w.array(t.detach().to(self._torch).contiguous().view(torch.int16).cpu().numpy())
         return w.getvalue()
 
+    def layout(self, data: bytes) -> KVCache:
+        """The chunk's start and layout, without decoding it (a :class:`~cachegen.codec.protocol.ReadsLayout`)."""
+        return read_layout(data, self.name, _body_size)
+
     def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
         r = Reader(memoryview(data), f"{self.name} chunk")
         _, start, shapes = _read_header(r, self.name, key)
@@ -60,7 +71,7 @@ class RawCodec:
         r = Reader(memoryview(data), what)
         _, start, shapes = _read_header(r, self.name, key)
         _check_slot(shapes, start, out, what)
-        need = sum(2 * s.heads * s.tokens * (s.dk + s.dv) for s in shapes)
+        need = _body_size(shapes)
         if need != r.left:
             raise CorruptChunk(f"{what}: {r.left} bytes after the header, its layers need {need}")
         body = np.frombuffer(r.rest(), dtype=np.int16)

@@ -10,6 +10,7 @@ from cachegen.bench.baselines._format import (
     _check_slot,
     _dequant_minmax,
     _dequant_minmax_into,
+    _LayerShape,
     _np32,
     _quant_minmax,
     _read_header,
@@ -18,6 +19,7 @@ from cachegen.bench.baselines._format import (
     dequant8_chunk_into,
     pack_bits,
     packed_len,
+    read_layout,
     unpack_bits,
 )
 from cachegen.codec.container import Reader
@@ -48,6 +50,16 @@ class UniformCodec:
                 w.raw(pack_bits(q, self.bits))
         return w.getvalue()
 
+    def layout(self, data: bytes) -> KVCache:
+        """The chunk's start and layout, without decoding it (a :class:`~cachegen.codec.protocol.ReadsLayout`)."""
+        return read_layout(data, self.name, self._body_size)
+
+    def _body_size(self, shapes: list[_LayerShape]) -> int:
+        """Bytes after the header: per layer and K/V, fp16 min and step per channel, then the codes."""
+        return sum(
+            4 * s.heads * d + packed_len(s.heads * s.tokens * d, self.bits) for s in shapes for d in (s.dk, s.dv)
+        )
+
     def decode(self, data: bytes, *, key: str | None = None) -> KVCache:
         r = Reader(memoryview(data), f"{self.name} chunk")
         _, start, shapes = _read_header(r, self.name, key)
@@ -72,9 +84,7 @@ class UniformCodec:
         r = Reader(memoryview(data), what)
         _, start, shapes = _read_header(r, self.name, key)
         _check_slot(shapes, start, out, what)
-        need = sum(
-            4 * s.heads * d + packed_len(s.heads * s.tokens * d, self.bits) for s in shapes for d in (s.dk, s.dv)
-        )
+        need = self._body_size(shapes)
         if need != r.left:
             raise CorruptChunk(f"{what}: {r.left} bytes after the header, its layers need {need}")
         body = r.rest()
