@@ -178,13 +178,23 @@ def test_layout_is_decodes_layout_read_from_the_header(profile, dtype):
         got, want = codec.layout(data), codec.decode(data)
         assert got.num_tokens == 0 and got.start == 96 and got.same_layout(want)
         assert got.dtype == want.dtype == dtype and got.meta == want.meta == {"model_fingerprint": "fp-test"}
-    with pytest.raises(ProfileMismatch):
-        Codec(profile, model_fingerprint="another-model").layout(data)
+    with pytest.raises(ProfileMismatch, match="chunk is for model fp-test, this codec for another-model"):
+        Codec(model_fingerprint="another-model").layout(data)
     wider = Codec(profile).encode(rand_kv(4, D=8), LOSSLESS)  # lossless: encodes any layout
     with pytest.raises(CorruptChunk, match="layout"):
         codec.layout(wider)
     with pytest.raises(CorruptChunk):
         codec.layout(data[:40])
+
+
+def test_decoder_families_are_lossless_and_lossy(profile):
+    """Every lossy level runs one decoder, lossless another (a NamesDecoders): the loader learns
+    one decode speed per family, and results name them."""
+    from cachegen.codec.protocol import NamesDecoders
+
+    codec = Codec(profile)
+    assert isinstance(codec, NamesDecoders)
+    assert [codec.decoder_family(level) for level in codec.levels] == ["lossless"] + ["lossy"] * (len(codec.levels) - 1)
 
 
 def test_profile_serialization(profile, tmp_path):

@@ -48,6 +48,18 @@ def test_the_first_chunk_decodes_into_a_cache_allocated_from_its_header(tmp_path
         same(res.kv, want)
 
 
+def test_the_cache_allocated_from_the_header_has_the_loaders_dtype(tmp_path):
+    """``LoaderOptions.dtype`` sets the cache's dtype on this path too (else the header's)."""
+    codec = LayoutToyCodec()
+    model, store, tokens = setup(codec, tmp_path)
+    want = KVCache.concat([codec.decode(store.get(i.ref, 0), key=i.ref.key) for i in store.plan(tokens)])
+    opts = LoaderOptions(policy=0, slo_s=None, values_per_token=VPT, dtype=torch.bfloat16)
+    codec.calls.clear()
+    res = StreamingLoader(store, codec, model.recompute, opts).load(tokens)
+    assert codec.calls[:2] == ["layout", "into"]
+    same(res.kv, want.to(torch.bfloat16))
+
+
 def test_without_the_models_values_per_token_the_first_chunk_is_decoded_and_copied(tmp_path):
     """A header never sizes the allocation alone: with the values per token unknown or not the
     header's, or a codec that cannot tell, the first chunk is decoded, then placed, as before."""
