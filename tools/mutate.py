@@ -497,6 +497,9 @@ _DRAIN = (
     " or the fetch stage's end, which the loop never reaches: it stops after its n messages"
 )
 _LOADER_EQUIVALENT = {
+    "xǁ_Loadǁkeeps__mutmut_13": "next_estimate reads first_of_load as a truth value: None is False",
+    "xǁ_Loadǁfetch_stage__mutmut_109": "a chunk whose fetch failed is always recomputed, which sets its choice to text"
+    " over the level the failed fetch recorded",
     "xǁ_Loadǁcompute_stage__mutmut_103": _DRAIN,
     "xǁ_Loadǁcompute_stage__mutmut_104": _DRAIN,
     "xǁ_Loadǁcompute_stage__mutmut_140": "go_on is set by the loop over the batch, which is never empty",

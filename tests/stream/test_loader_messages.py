@@ -10,7 +10,7 @@ import traceback
 import pytest
 
 import cachegen.stream.loader as loader_mod
-from cachegen.errors import LoaderError
+from cachegen.errors import ConfigError, LoaderError
 from cachegen.kv import KVCache
 from cachegen.store.keys import ChunkRef
 from cachegen.store.url import redact
@@ -222,3 +222,27 @@ def test_redact_is_applied_to_the_trace(setup, caplog):
     (r,) = caplog.records
     assert r.getMessage() == redact("".join(traceback.format_exception(e)))
     assert "secret" not in r.getMessage()
+
+
+def test_a_failed_fetch_keeps_its_times_its_estimate_and_its_words(setup):
+    """A chunk whose fetch failed is recomputed (its choice is text), but its decision keeps when
+    the fetch ran and the estimate it was made with, and the fault names the chunk and level."""
+    model, codec, store, tokens, _kv = setup
+    res = StreamingLoader(FaultyStore(store, {2: "missing"}), codec, model.recompute, LoaderOptions(policy=0)).load(
+        tokens
+    )
+    assert res.faults == ["chunk 2 level 0: ChunkNotFound: chunk 2 (injected)"]
+    before, d = res.decisions[1], res.decisions[2]
+    assert (d.choice, d.reason, d.kept) == ("text", "fault", False)
+    assert d.est_gbps is not None and d.est_gbps == before.est_gbps
+    assert d.fetch_start is not None and d.fetch_end is not None
+    assert before.fetch_end <= d.fetch_start <= d.fetch_end <= d.decode_start
+
+
+def test_a_deadline_of_a_load_must_be_positive(setup):
+    model, codec, store, tokens, _kv = setup
+    loader = StreamingLoader(store, codec, model.recompute, LoaderOptions(policy=0))
+    for bad in (0, -1.0):
+        with pytest.raises(ConfigError) as e:
+            loader.load(tokens, slo_s=bad)
+        assert str(e.value) == f"slo_s must be positive, not {bad}"

@@ -107,7 +107,7 @@ def test_other_policies_never_keep_and_a_negative_count_is_refused():
         opts = LoaderOptions(policy=policy, slo_s=1.0, recency_boost=0)
         res = replay_load(chunks(), constant(1.0), COSTS, opts, ThroughputEstimator(prior_gbps=1.0), cpu_noise=0.0)
         assert res.result is not None and not any(d.kept for d in res.result.decisions)
-    with pytest.raises(ConfigError, match="steady_chunks must be >= 0"):
+    with pytest.raises(ConfigError, match=r"^steady_chunks must be >= 0$"):
         LoaderOptions(steady_chunks=-1)
 
 
