@@ -214,8 +214,7 @@ class Codec:
         alone: checked as :meth:`decode` checks it (limits, the profile's layout, the model)."""
         h = parse_header(data)
         self._check_bounds(h)
-        if self.model_fingerprint and h.model_fingerprint and self.model_fingerprint != h.model_fingerprint:
-            raise ProfileMismatch(f"chunk is for model {h.model_fingerprint}, this codec for {self.model_fingerprint}")
+        self._check_model(h)
         return empty_layers_cache(
             ((l.kind, l.window, l.heads, l.k_dim, l.v_dim) for l in h.layers),
             h.start,
@@ -234,9 +233,13 @@ class Codec:
         elif h.num_values > MAX_VALUES_NO_PROFILE:
             raise CorruptChunk(f"chunk claims {h.num_values} values, over {MAX_VALUES_NO_PROFILE}")
 
-    def _profile_for(self, data: bytes, h: ChunkHeader) -> Profile | None:
+    def _check_model(self, h: ChunkHeader) -> None:
+        """ProfileMismatch when the chunk names another model than this codec's (either may name none)."""
         if self.model_fingerprint and h.model_fingerprint and self.model_fingerprint != h.model_fingerprint:
             raise ProfileMismatch(f"chunk is for model {h.model_fingerprint}, this codec for {self.model_fingerprint}")
+
+    def _profile_for(self, data: bytes, h: ChunkHeader) -> Profile | None:
+        self._check_model(h)
         if h.level == LOSSLESS:
             if h.inline_profile or h.profile_id:
                 raise CorruptChunk("lossless chunk names a profile")

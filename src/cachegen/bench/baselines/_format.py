@@ -248,7 +248,7 @@ def _dequant_minmax_into(q: np.ndarray, lo16: np.ndarray, step16: np.ndarray, ds
 # The loops index slices from 0 (no negative-index wraparound), so LLVM vectorizes them.
 @njit(nogil=True, cache=True, inline="always")
 def _dequant_row(q, step, lo, out):  # pragma: no cover - compiled
-    """One token's row: the arithmetic both kernels share."""
+    """One token's row: the arithmetic every kernel here shares."""
     for k in range(out.shape[0]):
         out[k] = np.float32(q[k]) * step[k] + lo[k]
 
@@ -256,30 +256,41 @@ def _dequant_row(q, step, lo, out):  # pragma: no cover - compiled
 @njit(nogil=True, cache=True)
 def _dequant_f32(q, step, lo, out, off, head_stride):  # pragma: no cover - compiled
     h, n = q.shape
-    d = step.shape[1]
     for i in range(h):
-        o, qi = out[off + i * head_stride : off + i * head_stride + n], q[i]
-        for j in range(0, n, d):
-            _dequant_row(qi[j : j + d], step[i], lo[i], o[j : j + d])
+        _rows_f32(q[i], step[i], lo[i], out[off + i * head_stride : off + i * head_stride + n])
 
 
 @njit(nogil=True, cache=True)
 def _dequant_bf16(q, step, lo, out, off, head_stride):  # pragma: no cover - compiled
-    """``out``: bfloat16 storage as int16; float32 rounded to nearest even, as torch casts."""
+    """``out``: bfloat16 storage as int16 (:func:`_rows_bf16`)."""
     h, n = q.shape
-    d = step.shape[1]
-    row = np.empty(d, np.float32)
-    bits = row.view(np.uint32)
+    row = np.empty(step.shape[1], np.float32)
     for i in range(h):
-        o, qi = out[off + i * head_stride : off + i * head_stride + n], q[i]
-        for j in range(0, n, d):
-            _dequant_row(qi[j : j + d], step[i], lo[i], row)
-            oj = o[j : j + d]
-            for k in range(d):
-                b = bits[k]
-                oj[k] = np.int16(
-                    np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-                )
+        _rows_bf16(q[i], step[i], lo[i], out[off + i * head_stride : off + i * head_stride + n], row)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _rows_f32(q, step, lo, out):  # pragma: no cover - compiled
+    """A head's rows (``q`` and ``out`` flat); each row's loop runs over a slice, which LLVM vectorizes."""
+    d = step.shape[0]
+    for j in range(0, q.shape[0], d):
+        _dequant_row(q[j : j + d], step, lo, out[j : j + d])
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _rows_bf16(q, step, lo, out, row):  # pragma: no cover - compiled
+    """:func:`_rows_f32` into bfloat16 bits (``out``: int16), through the float32 scratch ``row``,
+    rounded to nearest even as torch casts."""
+    d = step.shape[0]
+    bits = row.view(np.uint32)
+    for j in range(0, q.shape[0], d):
+        _dequant_row(q[j : j + d], step, lo, row)
+        oj = out[j : j + d]
+        for k in range(d):
+            b = bits[k]
+            oj[k] = np.int16(
+                np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+            )
 
 
 # -- one call per chunk: every layer's 8-bit K and V in one compiled pass ----------------------------
@@ -314,30 +325,6 @@ def _half(buf, at):  # pragma: no cover - compiled
     else:
         v = (m + np.float32(1024)) * np.float32(2.0 ** (np.int64(e) - 25))
     return -v if h >> np.uint32(15) else v
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _rows_f32(q, step, lo, out):  # pragma: no cover - compiled
-    """A head's rows (``q`` and ``out`` flat); each row's loop runs over a slice, which LLVM vectorizes."""
-    d = step.shape[0]
-    for j in range(0, q.shape[0], d):
-        _dequant_row(q[j : j + d], step, lo, out[j : j + d])
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _rows_bf16(q, step, lo, out, row):  # pragma: no cover - compiled
-    """:func:`_rows_f32` into bfloat16 bits (``out``: int16), through the float32 scratch ``row``,
-    rounded to nearest even as torch casts."""
-    d = step.shape[0]
-    bits = row.view(np.uint32)
-    for j in range(0, q.shape[0], d):
-        _dequant_row(q[j : j + d], step, lo, row)
-        oj = out[j : j + d]
-        for k in range(d):
-            b = bits[k]
-            oj[k] = np.int16(
-                np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-            )
 
 
 @njit(nogil=True, cache=True)
