@@ -1,9 +1,12 @@
-"""The AVX-512 decoder of interleaved streams (:mod:`cachegen.codec.rans.simd`) against the numba kernels.
+"""The SIMD decoders of interleaved streams (:mod:`cachegen.codec.rans.simd`) against the numba kernels.
 
 Every test decodes the same streams both ways: the numba kernels are the reference (their own
 tests check them against a plain-Python coder), and a stream the scalar decoder refuses must be
-refused here too. Skipped where the host lacks AVX-512 VBMI2 (the decoder is then never used)."""
+refused here too. Each test runs once per variant: the AVX2 one where the host has AVX2, the AVX-512
+one everywhere (its IR uses only LLVM's generic intrinsics, so on a host without AVX-512 LLVM
+lowers ``vpexpandw`` to scalar code: slower, the same results), so an AVX2 CI machine tests both."""
 
+import logging
 import os
 
 import numpy as np
@@ -14,21 +17,36 @@ from hypothesis import strategies as st
 
 from cachegen.codec import Codec, calibrate, rans
 from cachegen.codec.rans import interleaved, simd
-from cachegen.errors import CorruptChunk
+from cachegen.errors import CodecError, CorruptChunk
 from cachegen.kv import KVCache, KVLayer
 from codec.samples import planted_sensitivity
 
-pytestmark = pytest.mark.skipif(not simd.host_supported(), reason="host without AVX-512 F/BW/VBMI2")
+ON_HOST = [v.name for v in simd.host_variants()]
+host_has_one = pytest.mark.skipif(not ON_HOST, reason="host without AVX-512 VBMI2 or AVX2")
 
 
-def test_the_kernel_compiles_and_is_used_on_this_host():
-    """On a host with the features the kernel is in use: an IR that no longer compiles would fall
-    back to the numba kernel with a warning, and every other test here would pass on that kernel."""
-    assert sorted(simd._kernels()) == list(range(1, simd.GROUP + 1))
-    assert simd.available() or os.environ.get("CACHEGEN_RANS_SIMD") == "0"
+@pytest.fixture(autouse=True, params=[v.name for v in simd.VARIANTS])
+def kernel(request, monkeypatch) -> simd.Variant:
+    """The variant this test decodes with (``simd.variant()`` returns it for the test's duration)."""
+    if request.param == "avx2" and "avx2" not in ON_HOST:
+        pytest.skip("host without AVX2")
+    chosen = next(v for v in simd.VARIANTS if v.name == request.param)
+    monkeypatch.setattr(simd, "_variant", lambda: chosen)
+    return chosen
 
 
-def test_the_kernel_compiles_under_numbas_compiler_lock(monkeypatch):
+@host_has_one
+def test_the_kernel_compiles_and_the_process_decodes_with_the_hosts_first_variant(kernel, monkeypatch):
+    """On a host with the features a kernel is in use: an IR that no longer compiles would fall back
+    to the numba kernel with a warning, and every other test here would pass on that kernel."""
+    assert sorted(simd._kernels(kernel)) == list(range(1, kernel.group + 1))
+    monkeypatch.undo()  # the process's own choice, not the fixture's
+    assert [v.name for v in simd.VARIANTS] == ["avx512", "avx2"]  # the order is the preference
+    if os.environ.get("CACHEGEN_RANS_SIMD", "1") == "1":
+        assert simd.variant() == simd.host_variants()[0]
+
+
+def test_the_kernel_compiles_under_numbas_compiler_lock(monkeypatch, kernel):
     """llvmlite is not thread-safe and numba compiles (and loads its cache) through it under its
     global lock: the first decode may compile the kernel in a pool thread while another thread's
     first numba call compiles, so the kernel's compile takes that lock too."""
@@ -43,7 +61,8 @@ def test_the_kernel_compiles_under_numbas_compiler_lock(monkeypatch):
 
     monkeypatch.setattr(llvm, "parse_assembly", watched)
     monkeypatch.setattr(simd, "_compiled", {})  # compile again (the module's kernels stay as they were)
-    assert sorted(simd._kernels()) == list(range(1, simd.GROUP + 1))
+    assert sorted(simd._kernels(kernel)) == list(range(1, kernel.group + 1))
+    assert simd._kernels(kernel) == simd._kernels(kernel)  # compiled once
     assert held == [True]
     assert not global_compiler_lock.is_locked()
     # the new kernels decode as the numba kernel does, in passes of every size, a damaged stream among
@@ -52,7 +71,7 @@ def test_the_kernel_compiles_under_numbas_compiler_lock(monkeypatch):
     # the generated IR and its compilation in a fresh state.
     rng = np.random.default_rng(11)
     tables = _tables(rng, 7, 40)
-    pairs = [_block(rng, tables, int(rng.integers(1, 20)), 32) for _ in range(2 * simd.GROUP + 1)]
+    pairs = [_block(rng, tables, int(rng.integers(1, 20)), 32) for _ in range(2 * kernel.group + 1)]
     blocks = [b for b, _ in pairs]
     blocks[1] = rans.Block(blocks[1].words[:40], blocks[1].n, blocks[1].table_index, blocks[1].row_shift)
     streams = simd.prepare_many(
@@ -68,17 +87,37 @@ def test_the_kernel_compiles_under_numbas_compiler_lock(monkeypatch):
 def test_host_support_is_read_from_llvm_and_a_missing_feature_or_api_means_unsupported(monkeypatch):
     import llvmlite.binding as llvm
 
-    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: {f: True for f in simd._NEEDS})
-    assert simd.host_supported()
-    for missing in simd._NEEDS:
-        monkeypatch.setattr(llvm, "get_host_cpu_features", lambda m=missing: {f: True for f in simd._NEEDS if f != m})
-        assert not simd.host_supported()
+    every = {f for v in simd.VARIANTS for f in v.needs}
+    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: {f: True for f in every})
+    assert simd.host_variants() == list(simd.VARIANTS) and simd.host_supported()
+    for v in simd.VARIANTS:
+        monkeypatch.setattr(llvm, "get_host_cpu_features", lambda v=v: {f: f in v.needs for f in every})
+        assert simd.host_variants() == [v]
+        for missing in v.needs:
+            monkeypatch.setattr(llvm, "get_host_cpu_features", lambda v=v, m=missing: {f: f != m for f in v.needs})
+            assert v not in simd.host_variants()
+    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: {})
+    assert not simd.host_supported()
+    with pytest.raises(CodecError, match="neither AVX-512 VBMI2 nor AVX2"):
+        simd._first_on_host()
 
     def no_api():
         raise AttributeError("an llvmlite without get_host_cpu_features")
 
     monkeypatch.setattr(llvm, "get_host_cpu_features", no_api)
     assert not simd.host_supported()
+
+
+def test_the_avx2_rows_send_each_renormalizing_lane_the_next_word_in_lane_order():
+    """Row ``m`` of the AVX2 permutation table: the lanes of mask ``m`` take words 0, 1, .. in lane
+    order; the others take word 0 (their value is not used); the IR holds exactly these rows."""
+    table = simd._expand_rows()
+    assert len(table) == 256
+    for m, row in enumerate(table):
+        lanes = [j for j in range(8) if m >> j & 1]
+        assert [row[j] for j in lanes] == list(range(len(lanes)))
+        assert all(row[j] == 0 for j in range(8) if j not in lanes)
+    assert simd._lut_ir().count("[8 x i32] [") == 256 and "i32 7]" in simd._lut_ir()
 
 
 @pytest.fixture
@@ -123,7 +162,7 @@ def _block(rng, tables: rans.Tables, n: int, S: int) -> tuple[rans.Block, np.nda
     st.sampled_from([9, 12]),
 )
 def test_blocks_of_any_count_and_shape_decode_as_the_scalar_kernel_does(shapes, seed, prec):
-    """Any number of blocks (passes of 1..GROUP and a remainder), each of its own length and width
+    """Any number of blocks (passes of every size and a remainder), each of its own length and width
     (widths that are not a multiple of 16 take the numba kernel within the same call)."""
     rng = np.random.default_rng(seed)
     tables = _tables(rng, 7, int(rng.integers(2, 256)), prec)
@@ -184,7 +223,7 @@ def test_a_damaged_stream_is_refused_exactly_when_the_scalar_kernel_refuses_it(s
 
 
 def _both(words: np.ndarray, n: int, S: int, cols: np.ndarray, rows: np.ndarray, tables: rans.Tables):
-    """(count, symbols) from the AVX-512 kernel and from the numba kernel, for one stream."""
+    """(count, symbols) from the SIMD kernel and from the numba kernel, for one stream."""
     fast = simd.prepare(words, cols, rows, tables.precision, np.empty((n, S), np.uint8))
     (count,) = simd.decode_streams([fast], tables.packed, tables.precision)
     ref = np.empty((n, S), np.uint8)
@@ -228,8 +267,8 @@ def _split(b: rans.Block, tables: rans.Tables) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize(
     "bad_width, good_widths, prec",
     [
-        (20, [20, 32], 12),  # the numba lanes kernel fails first, then another lanes block and an AVX-512 one
-        (32, [20], 12),  # the AVX-512 kernel's failure, with a lanes block in the same call
+        (20, [20, 32], 12),  # the numba lanes kernel fails first, then another lanes block and a SIMD one
+        (32, [20], 12),  # the SIMD kernel's failure, with a lanes block in the same call
         (20, [20], 14),  # tables the lanes kernel cannot take: the generic numba kernel
     ],
 )
@@ -267,7 +306,7 @@ def test_one_refused_block_refuses_the_call_and_the_others_still_decode_alone(sc
 
 
 def _kv(seed: int, layers: int = 3, tokens: int = 80) -> KVCache:
-    """K sections 2 x 16 wide (the AVX-512 decoder), V sections 2 x 4 wide (the numba kernel)."""
+    """K sections 2 x 16 wide (the SIMD decoder), V sections 2 x 4 wide (the numba kernel)."""
     g = torch.Generator().manual_seed(seed)
     return KVCache(
         [
@@ -280,7 +319,7 @@ def _kv(seed: int, layers: int = 3, tokens: int = 80) -> KVCache:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_codec_decodes_the_same_values_with_either_kernel(scalar, dtype):
     """A whole lossy chunk with token importance (a multiplier stream per section), decoded into a
-    cache of the chunk's dtype and of another: the AVX-512 decoder (sections grouped four to a
+    cache of the chunk's dtype and of another: the SIMD decoder (sections grouped four to a
     job) gives the numba kernels' values (one section per job)."""
     imp = _kv(300, tokens=300)
     prof = calibrate([_kv(1), _kv(2)], "fp-simd", importance_data=[(imp, planted_sensitivity(imp))])
@@ -297,21 +336,28 @@ def test_the_codec_decodes_the_same_values_with_either_kernel(scalar, dtype):
     codec.close()
 
 
-def test_the_environment_switch_turns_it_off(monkeypatch):
-    simd._available.cache_clear()
+@host_has_one
+def test_the_environment_switch_turns_it_off_or_names_a_variant(monkeypatch, caplog):
+    monkeypatch.undo()  # the process's own choice, not the fixture's
     try:
-        monkeypatch.setenv("CACHEGEN_RANS_SIMD", "0")
-        assert not simd.available()
-        monkeypatch.setenv("CACHEGEN_RANS_SIMD", "1")
-        simd._available.cache_clear()
-        assert simd.available()
+        for value, want in [("0", None), ("1", ON_HOST[0]), *((name, name) for name in ON_HOST), ("sse9", ON_HOST[0])]:
+            monkeypatch.setenv("CACHEGEN_RANS_SIMD", value)
+            simd._variant.cache_clear()
+            with caplog.at_level(logging.WARNING, logger=simd.__name__):
+                caplog.clear()
+                got = simd.variant()
+            assert (got.name if got else None) == want and simd.available() == (want is not None)
+            assert ("not one of this host's variants" in caplog.text) == (value == "sse9")
     finally:
-        simd._available.cache_clear()
+        simd._variant.cache_clear()
 
 
-def test_generated_ir_has_one_function_per_group_size():
-    ir = simd.generate_ir()
-    assert [f"@rans_decode{k}(" in ir for k in range(1, simd.GROUP + 2)] == [True] * simd.GROUP + [False]
+def test_generated_ir_has_one_function_per_pass_size():
+    for v in simd.VARIANTS:
+        ir = simd.generate_ir(v)
+        assert [f"@rans_decode{k}(" in ir for k in range(1, v.group + 2)] == [True] * v.group + [False]
+        assert ("@llvm.x86.avx2.permd" in ir) == ("@llvm.x86.avx2.gather.d.d.256" in ir) == (v.name == "avx2")
+        assert ("@llvm.masked.expandload" in ir) == (v.name == "avx512")
 
 
 def test_sections_are_split_into_two_jobs_per_thread_whatever_the_decoder():

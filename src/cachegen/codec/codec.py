@@ -427,7 +427,7 @@ def decode_jobs(sections: list, threads: int, per_thread: int = 2) -> list[list]
     each of the multiplier and symbol decoders, which take all its sections' streams side by side),
     and that part holds the GIL, so it does not shrink with threads. 16 jobs of 3-4 sections, as
     before, made a 256-token chunk's decode 19-23 ms on two threads, 4 jobs 14-17 ms, and 60 jobs of
-    one section (where the AVX-512 decoder does not run) 26 ms against 16 ms. Two per thread rather
+    one section (where no SIMD decoder runs) 26 ms against 16 ms. Two per thread rather
     than one, so that a thread slowed by other work (the loader's fetches) leaves its second job
     to the other; ``tools/profile_decode.py --jobs-per-thread`` measures it."""
     if not sections:

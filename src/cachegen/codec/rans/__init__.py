@@ -27,8 +27,8 @@ Lower level: :class:`Tables` stacks models; :func:`encode_columns` /
 token-major block as ONE word stream with :data:`LANES` shared states (column
 ``c`` on lane ``c % LANES``): the lossy codec's format, 64 bytes of state per
 section instead of 8 bytes per column. :func:`decode_interleaved_many` decodes
-several such :class:`Block` s at once; on AVX-512 hosts :mod:`.simd` steps up to
-four of them side by side in one pass. :func:`decode_column_many` decodes many
+several such :class:`Block` s at once; on AVX-512 and AVX2 hosts :mod:`.simd` steps
+four or two of them side by side in one pass. :func:`decode_column_many` decodes many
 one-column streams (a lossy chunk's per-token multipliers) in one kernel call.
 
 Stream format: each stream is its final 32-bit state (two 16-bit words, high
@@ -38,7 +38,7 @@ u32 lengths[n_streams] | u16 words[...]`` (little endian).
 
 Modules: :mod:`.model` (models, tables, the allocation bound), :mod:`.columns`,
 :mod:`.interleaved` (with the generated :mod:`._lanes` decoder), :mod:`.simd`
-(the AVX-512 decoder of interleaved streams, LLVM IR compiled by llvmlite),
+(the AVX-512 and AVX2 decoders of interleaved streams, LLVM IR compiled by llvmlite),
 :mod:`.blob`.
 """
 

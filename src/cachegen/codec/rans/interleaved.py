@@ -1,7 +1,7 @@
 """Interleaved streams: a whole token-major block as ONE word stream with :data:`LANES` shared states.
 
 The lossy codec's format: 64 bytes of state per section instead of 8 bytes per
-column. On AVX-512 hosts, blocks with 12-bit tables and a width that is a multiple of 16 are
+column. On AVX-512 and AVX2 hosts, blocks with 12-bit tables and a width that is a multiple of 16 are
 decoded several at a time by :mod:`.simd`; elsewhere the decoder for 12-bit tables is generated
 (:mod:`._lanes`, ``tools/gen_rans_lanes.py``), and :func:`_decode_il_kernel_generic` serves any
 other precision.
@@ -233,8 +233,9 @@ def decode_interleaved(
 
 
 def decode_interleaved_many(blocks: Sequence[Block], tables: Tables) -> list[np.ndarray]:
-    """:func:`decode_interleaved` of several blocks: with the AVX-512 kernel (:mod:`.simd`) up to
-    four at a time, whose independent chains overlap (3.5x one block's rate on one core). Every
+    """:func:`decode_interleaved` of several blocks: with a SIMD kernel (:mod:`.simd`) several at
+    a time, whose independent chains overlap (AVX-512, four at a time: 3.5x one block's rate on
+    one core; AVX2, two at a time: about 2x the numba kernel). Every
     block is checked before any is decoded; the first inconsistent one raises CorruptChunk."""
     jobs = []
     for b in blocks:
