@@ -397,20 +397,32 @@ _RANS_EQUIVALENT = {
     "interleaved.x_decode_interleaved_many__mutmut_80": "pad words are read only by a stream already past its last"
     " word, which decode_lanes refuses whatever they hold",
     "interleaved.x_decode_interleaved_many__mutmut_83": "one pad word more than decode_lanes can read",
-    **{f"simd.x__function__mutmut_{i}": _LABEL for i in (61, 62, 105, 106, 107, 108, 110, 111, 112)},
-    "simd.x__kernels__mutmut_6": "the host's features are given explicitly: the CPU name only repeats them",
-    "simd.x__kernels__mutmut_7": "the host's CPU name implies its features",
-    "simd.x__kernels__mutmut_8": "opt=2 instead of 3: the same code for this IR, or slower, never other results",
-    "simd.x__kernels__mutmut_30": "without the declared int32, ctypes passes the Python int prec as a C int: the same"
+    # 2026-12-07: the AVX2 variant renumbered _function's, _kernels' and decode_streams' mutants
+    **{f"simd.x__function__mutmut_{i}": _LABEL for i in (61, 62, 107, 108, 109, 110, 112, 113, 114)},
+    **{
+        f"simd.x__expand_avx2__mutmut_{i}": "a value's name, defined once and read after it: any distinct name is the"
+        " same IR"
+        for i in (18, 19, 20)
+    },
+    "simd.x__kernels__mutmut_7": "the host's features are given explicitly: the CPU name only repeats them",
+    "simd.x__kernels__mutmut_8": "the host's CPU name implies its features",
+    "simd.x__kernels__mutmut_1": "every variant steps at least two streams, so its kernel 2 is compiled with kernel 1",
+    **{
+        f"simd.x__kernels__mutmut_{i}": "a function the IR lacks has address 0: kept in _compiled, never returned or"
+        " called"
+        for i in (23, 27)
+    },
+    "simd.x__kernels__mutmut_9": "opt=2 instead of 3: the same code for this IR, or slower, never other results",
+    "simd.x__kernels__mutmut_32": "without the declared int32, ctypes passes the Python int prec as a C int: the same"
     " 32-bit register on x86-64",
     **{
         f"simd.x_decode_streams__mutmut_{i}": "a stream that ended cleanly decoded again alone: the same symbols and 0"
-        for i in (29, 30)
+        for i in (32, 33)
     },
-    "simd.x_decode_streams__mutmut_21": "any negative start: the kernel writes 0 or a count, and < 0 still means not"
+    "simd.x_decode_streams__mutmut_24": "any negative start: the kernel writes 0 or a count, and < 0 still means not"
     " reached",
-    **{f"simd.x_decode_streams__mutmut_{i}": "Tables.packed is int32 and C-contiguous already" for i in (4, 6)},
-    **{f"simd.x_host_supported__mutmut_{i}": "None is false like False" for i in (5, 7)},
+    **{f"simd.x_decode_streams__mutmut_{i}": "Tables.packed is int32 and C-contiguous already" for i in (7, 9)},
+    **{f"simd.x_host_variants__mutmut_{i}": "None is false like False" for i in (4, 6)},
     **{f"simd.x_prepare_many__mutmut_{i}": _INTS for i in (5, 7, 10, 12, 16, 18)},
     "simd.x_prepare_many__mutmut_132": "n * S is a multiple of 16: the float quotient is exact and cast back into int64",
     **{

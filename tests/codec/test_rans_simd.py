@@ -98,7 +98,7 @@ def test_host_support_is_read_from_llvm_and_a_missing_feature_or_api_means_unsup
             assert v not in simd.host_variants()
     monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: {})
     assert not simd.host_supported()
-    with pytest.raises(CodecError, match="neither AVX-512 VBMI2 nor AVX2"):
+    with pytest.raises(CodecError, match=r"^this CPU has neither AVX-512 VBMI2 nor AVX2: no SIMD rANS decoder$"):
         simd._first_on_host()
 
     def no_api():
@@ -106,6 +106,28 @@ def test_host_support_is_read_from_llvm_and_a_missing_feature_or_api_means_unsup
 
     monkeypatch.setattr(llvm, "get_host_cpu_features", no_api)
     assert not simd.host_supported()
+
+
+@host_has_one
+def test_streams_decode_with_the_process_variant_or_with_the_hosts_first_where_it_is_off(monkeypatch, kernel):
+    """``decode_streams`` takes the kernels of ``variant()`` (the fixture's), and where the process
+    turned the SIMD kernels off (``CACHEGEN_RANS_SIMD=0``: ``variant()`` is None) the host's first
+    variant's: a caller that asks for these streams still gets them decoded."""
+    real, asked = simd._kernels, []
+    monkeypatch.setattr(simd, "_kernels", lambda v: asked.append(v) or real(v))
+    rng = np.random.default_rng(3)
+    tables = _tables(rng, 7, 40)
+    pairs = [_block(rng, tables, 9, 32) for _ in range(3)]
+    for chosen, want in ((kernel, kernel), (None, simd.host_variants()[0])):
+        monkeypatch.setattr(simd, "_variant", lambda c=chosen: c)
+        streams = simd.prepare_many(
+            [(np.asarray(b.words), *_split(b, tables), np.empty((b.n, 32), np.uint8)) for b, _ in pairs],
+            tables.precision,
+        )
+        assert simd.decode_streams(streams, tables.packed, tables.precision) == [0, 0, 0]
+        assert asked[-1] == want
+        for st_, (_, sym) in zip(streams, pairs, strict=True):
+            assert np.array_equal(st_.out, sym)
 
 
 def test_the_avx2_rows_send_each_renormalizing_lane_the_next_word_in_lane_order():
