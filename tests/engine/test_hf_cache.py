@@ -89,7 +89,8 @@ def test_to_transformers_checks_layout(smollm2):
 
 def test_inject_holds_full_layers_without_copy_and_never_writes_them():
     """Full layers take the KV's tensors as they are (no copy before the first step); decoding on the
-    cache grows it by concatenation, so the KV the load produced is left unchanged."""
+    cache copies them once into a buffer with room (GrowingLayer), so the KV the load produced is
+    left unchanged."""
     from tests.tiny_models import tiny_llama
 
     model = tiny_llama()

@@ -472,8 +472,9 @@ def _lut_ir() -> str:
 
 @dataclass(frozen=True)
 class Variant:
-    """One SIMD kernel: the CPU features it needs, how many streams a pass steps (the most that
-    still gains before registers spill) and how it hands out the renormalization words."""
+    """One SIMD kernel: the CPU features it needs, how many streams a pass steps (measured per
+    variant, below) and the parts of its step that differ: how it reads the table entries and how
+    it hands out the renormalization words."""
 
     name: str
     needs: tuple[str, ...]
