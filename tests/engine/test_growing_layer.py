@@ -88,6 +88,21 @@ def test_new_states_of_another_dtype_or_width_get_a_new_buffer():
     assert torch.equal(layer.keys, torch.cat([k, k2], dim=-2).double())
 
 
+def test_narrower_new_states_keep_the_wider_dtype_as_concatenation_does():
+    """float32 tokens, then a bfloat16 step: torch.cat promotes to float32, and so does the layer
+    (its buffer stays, the step's values cast into it)."""
+    g = torch.Generator().manual_seed(4)
+    ours, ref = GrowingLayer(spare_tokens=8), DynamicLayer()
+    k, v = _states(g, 1, 3)
+    ours.update(k, v)
+    ref.update(k.clone(), v.clone())
+    buf = ours.keys.data_ptr()
+    k2, v2 = _states(g, 1, 2)
+    got, want = ours.update(k2.bfloat16(), v2.bfloat16()), ref.update(k2.bfloat16(), v2.bfloat16())
+    assert got[0].dtype == want[0].dtype == torch.float32 and ours.keys.data_ptr() == buf
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def _extract(model, ids):
     with torch.inference_mode():
         return from_transformers(

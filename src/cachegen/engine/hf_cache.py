@@ -129,20 +129,25 @@ class GrowingLayer(DynamicLayer):
             and vb.shape[:-2] == value_states.shape[:-2] == v.shape[:-2]
             and kb.shape[-1] == key_states.shape[-1]
             and vb.shape[-1] == value_states.shape[-1]
-            and kb.dtype == key_states.dtype
-            and vb.dtype == value_states.dtype
+            and torch.promote_types(kb.dtype, key_states.dtype) == kb.dtype
+            and torch.promote_types(vb.dtype, value_states.dtype) == vb.dtype
             and kb.device == key_states.device
         )
 
     def _copy_into_new_buffers(
         self, n: int, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> None:
-        kb = key_states.new_empty((*key_states.shape[:-2], capacity, key_states.shape[-1]))
-        vb = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]))
-        if n:
-            assert self.keys is not None and self.values is not None  # set whenever n > 0
-            kb[..., :n, :] = self.keys
-            vb[..., :n, :] = self.values
+        """New buffers holding the layer's ``n`` tokens, in the dtype ``torch.cat`` would give the
+        old tokens and the new states together (the wider of the two)."""
+        old_k, old_v = (self.keys, self.values) if n else (None, None)
+        kd, vd = key_states.dtype, value_states.dtype
+        if old_k is not None and old_v is not None:  # set whenever n > 0
+            kd, vd = torch.promote_types(old_k.dtype, kd), torch.promote_types(old_v.dtype, vd)
+        kb = key_states.new_empty((*key_states.shape[:-2], capacity, key_states.shape[-1]), dtype=kd)
+        vb = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]), dtype=vd)
+        if old_k is not None and old_v is not None:
+            kb[..., :n, :] = old_k
+            vb[..., :n, :] = old_v
         self._kbuf, self._vbuf = kb, vb
 
 
