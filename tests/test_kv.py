@@ -71,3 +71,37 @@ def test_sizes():
     assert kv.num_values == 2 * 2 * 3 * 10 * 4
     assert kv.nbytes == kv.num_values * 4
     assert kv.to(torch.bfloat16).nbytes == kv.num_values * 2
+
+
+def test_allocate_with_room_gives_full_layers_as_the_first_tokens_of_longer_buffers():
+    like = make_kv(5)
+    kv = KVCache.allocate(like, 7, start=3, room_tokens=4)
+    assert kv.start == 3 and kv.num_tokens == 7 and kv.same_layout(like)
+    room = kv.take_room()
+    assert room is not None and len(room) == 3
+    for l, r in zip(kv.layers, room):
+        if l.kind == LayerKind.FULL:
+            assert r is not None and r[0].shape == (2, 11, 8) and r[1].shape == (2, 11, 8)
+            assert l.k.data_ptr() == r[0].data_ptr() and l.v.data_ptr() == r[1].data_ptr()
+            assert torch.equal(r[0][:, :7], l.k)
+        else:  # a sliding layer keeps no room (the decoding session keeps its window)
+            assert r is None and l.k.is_contiguous()
+
+
+def test_room_is_handed_out_once_and_never_by_a_copy_slice_or_replaced_layer():
+    like = make_kv(5)
+    kv = KVCache.allocate(like, 6, room_tokens=2)
+    assert KVCache.allocate(like, 6).take_room() is None  # no room asked
+    for other in (kv.slice(0, 6), kv.slice(0, 3), kv.clone(), kv.to(torch.float64), kv.to(kv.dtype)):
+        assert other.take_room() is None
+    assert kv.take_room() is not None
+    assert kv.take_room() is None  # a second taker would write the same room
+
+    kv2 = KVCache.allocate(like, 6, room_tokens=2)
+    kv2.layers[0].k = torch.zeros(2, 6, 8)  # no longer the buffer's first tokens
+    assert kv2.take_room() is None
+    kv3 = KVCache.allocate(like, 6, room_tokens=2)
+    kv3.layers[0] = kv3.layers[0].slice(0, 4)  # a shorter view: tokens 4-5 would be overwritten
+    assert kv3.take_room() is None
+    with pytest.raises(ConfigError):
+        KVCache.allocate(like, 6, room_tokens=-1)

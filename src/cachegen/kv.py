@@ -14,6 +14,7 @@ transformers.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -21,6 +22,11 @@ from enum import Enum
 import torch
 
 from cachegen.errors import ConfigError
+
+# Tokens of room a loader leaves after its cache's full-attention layers: a decoding session that
+# takes them (:meth:`KVCache.take_room`) appends its first steps there instead of copying the cache.
+ROOM_TOKENS = 256
+_ROOM_LOCK = threading.Lock()
 
 
 class LayerKind(str, Enum):
@@ -63,6 +69,11 @@ class KVCache:
     layers: list[KVLayer]
     start: int = 0
     meta: dict = field(default_factory=dict)  # free-form, e.g. model fingerprint
+    # per layer, the buffer its K and V are the first tokens of (allocate(room_tokens=...)); not
+    # carried by slices, copies or dataclasses.replace, and handed out once (take_room)
+    _room: tuple[int, list[tuple[torch.Tensor, torch.Tensor] | None]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -134,24 +145,54 @@ class KVCache:
         return True
 
     @staticmethod
-    def allocate(like: KVCache, num_tokens: int, *, start: int = 0, dtype: torch.dtype | None = None) -> KVCache:
+    def allocate(
+        like: KVCache, num_tokens: int, *, start: int = 0, dtype: torch.dtype | None = None, room_tokens: int = 0
+    ) -> KVCache:
         """An uninitialised cache of ``num_tokens`` from ``start`` with ``like``'s layout (dtype: ``like``'s).
 
         Why: a loader that knows the whole prefix's length allocates it once and writes each
         chunk's slice as it is decoded (:meth:`write`), instead of joining the chunks at the end
-        (:meth:`concat`, a second copy of the whole context and twice its memory at the peak)."""
-        if num_tokens < 0:
-            raise ConfigError("num_tokens must be >= 0")
+        (:meth:`concat`, a second copy of the whole context and twice its memory at the peak).
+        With ``room_tokens``, each full-attention layer's K and V are the first tokens of a buffer
+        that many tokens longer, which one decoding session may take (:meth:`take_room`) to append
+        into, so that its first step does not copy the whole cache."""
+        if num_tokens < 0 or room_tokens < 0:
+            raise ConfigError("num_tokens and room_tokens must be >= 0")
         dt = dtype or like.dtype
-        layers = [
-            replace(
-                l,
-                k=torch.empty((l.k.shape[0], num_tokens, l.k.shape[2]), dtype=dt),
-                v=torch.empty((l.v.shape[0], num_tokens, l.v.shape[2]), dtype=dt),
-            )
-            for l in like.layers
-        ]
-        return KVCache(layers, start=start, meta=dict(like.meta))
+        layers, room = [], []
+        for l in like.layers:
+            r = room_tokens if l.kind == LayerKind.FULL else 0
+            kb = torch.empty((l.k.shape[0], num_tokens + r, l.k.shape[2]), dtype=dt)
+            vb = torch.empty((l.v.shape[0], num_tokens + r, l.v.shape[2]), dtype=dt)
+            layers.append(replace(l, k=kb[:, :num_tokens], v=vb[:, :num_tokens]))
+            room.append((kb, vb) if r else None)
+        out = KVCache(layers, start=start, meta=dict(like.meta))
+        if any(r is not None for r in room):
+            out._room = (num_tokens, room)
+        return out
+
+    def take_room(self) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """Per layer, the buffer (``[heads, tokens + room, dim]``) whose first tokens are the layer's
+        K and V, or None for a layer without room; None for a cache without room, or whose room was
+        taken already, or whose layers were replaced since.
+
+        Why once: the taker writes after the cache's tokens. Two decoding sessions over one loaded
+        cache would write the same room, so only the first gets it; the cache's own tokens are
+        never written either way."""
+        with _ROOM_LOCK:
+            held, self._room = self._room, None
+        if held is None or len(held[1]) != len(self.layers):
+            return None
+        n, room = held
+        for l, r in zip(self.layers, room):
+            if r is None:
+                continue
+            for t, b in zip((l.k, l.v), r):
+                if t.data_ptr() != b.data_ptr() or t.stride() != b.stride() or t.dtype != b.dtype:
+                    return None
+                if t.shape[1] != n or t.shape[::2] != b.shape[::2]:
+                    return None
+        return room
 
     def write(self, part: KVCache) -> None:
         """Copy ``part`` into its token range of this cache (cast to this cache's dtype, as :meth:`to`)."""

@@ -10,7 +10,7 @@ import torch
 from cachegen.codec import LOSSLESS, Codec, calibrate
 from cachegen.codec.protocol import DecodesInto, DecodesManyInto, decode_into
 from cachegen.errors import ConfigError, CorruptChunk
-from cachegen.kv import KVCache, KVLayer, LayerKind
+from cachegen.kv import ROOM_TOKENS, KVCache, KVLayer, LayerKind
 from cachegen.store import ContextStore, Namespace, open_backend
 from cachegen.stream import FormatLadder, LoaderOptions, Rung, StreamingLoader, ThroughputEstimator
 from cachegen.stream.costs import TEXT
@@ -153,6 +153,9 @@ def test_load_is_bit_identical_to_decode_and_concat_and_joins_nothing(real_store
     assert not res.faults and res.choices == [level] * len(infos)
     same_bits(res.kv, ref)
     assert res.stitch_s == 0.0
+    room = res.kv.take_room()  # room after the full layers for the decoding session that takes the result
+    assert room is not None and room[1] is None
+    assert room[0] is not None and room[0][0].shape[1] == res.kv.num_tokens + ROOM_TOKENS
 
 
 def test_adaptive_order_fills_every_range(real_store, codec, monkeypatch):

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from cachegen.errors import ConfigError
-from cachegen.kv import KVCache, KVLayer, LayerKind
+from cachegen.kv import ROOM_TOKENS, KVCache, KVLayer, LayerKind
 
 
 def layer_kinds(config) -> list[tuple[LayerKind, int | None]]:
@@ -43,11 +43,20 @@ def values_per_token(config) -> int:
 
 
 def recording_cache(config) -> DynamicCache:
-    """An empty cache whose sliding layers keep every token (for extraction)."""
-    cache = DynamicCache(config=config)
+    """An empty cache whose sliding layers keep every token (for extraction) and whose
+    full-attention layers are :class:`GrowingLayer` s, which append in place."""
+    cache = _growing(DynamicCache(config=config))
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
             layer.activate_past_recording()  # type: ignore[union-attr]  # transformers types cache.layers as a union
+    return cache
+
+
+def _growing(cache: DynamicCache) -> DynamicCache:
+    """``cache`` with its (empty) full-attention layers replaced by :class:`GrowingLayer` s."""
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            cache.layers[i] = GrowingLayer()
     return cache
 
 
@@ -86,11 +95,34 @@ class GrowingLayer(DynamicLayer):
     earlier step never changes. Anything that replaces its tensors (a batch reorder or selection)
     or crops it makes the next step copy into a new buffer, as concatenation would."""
 
-    def __init__(self, spare_tokens: int = 256) -> None:
+    def __init__(self, spare_tokens: int = ROOM_TOKENS) -> None:
         super().__init__()
         self.spare_tokens = max(1, spare_tokens)
         self._kbuf: torch.Tensor | None = None
         self._vbuf: torch.Tensor | None = None
+        self._reserved = 0
+
+    def hold(
+        self, keys: torch.Tensor, values: torch.Tensor, room: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """Take ``keys`` and ``values`` (``[1, heads, tokens, dim]``) as the layer's tokens without
+        copying them; they are never written. The first update copies them into a buffer with
+        room, or, given ``room`` (from :meth:`KVCache.take_room`: ``[heads, tokens + n, dim]``
+        buffers whose first tokens they are), appends into it.
+
+        Why: ``update()`` on an empty layer would copy them, and the first step again into the buffer."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+        self._kbuf = self._vbuf = None
+        if room is not None:
+            self._kbuf, self._vbuf = room[0].unsqueeze(0), room[1].unsqueeze(0)
+
+    def reserve(self, tokens: int) -> None:
+        """Make the next buffer this layer allocates hold at least ``tokens`` tokens before its spare room.
+
+        Why: a prompt fed in steps of a few hundred tokens outgrows the spare room at every step;
+        told the prompt's length first, the layer copies its tokens once, not once per step."""
+        self._reserved = max(self._reserved, tokens)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -99,7 +131,7 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n, m = self.get_seq_length(), key_states.shape[-2]
         if not self._fits(n + m, key_states, value_states):
-            self._copy_into_new_buffers(n, n + m + self.spare_tokens, key_states, value_states)
+            self._copy_into_new_buffers(n, max(n + m, self._reserved) + self.spare_tokens, key_states, value_states)
         kb, vb = self._kbuf, self._vbuf
         assert kb is not None and vb is not None
         kb[..., n : n + m, :] = key_states
@@ -153,28 +185,27 @@ class GrowingLayer(DynamicLayer):
 
 def to_transformers(kv: KVCache, config, dtype: torch.dtype | None = None) -> DynamicCache:
     """A transformers cache holding ``kv`` (which must start at token 0); its full-attention layers
-    are :class:`GrowingLayer` s, which append in place."""
+    are :class:`GrowingLayer` s, which append in place (into ``kv``'s room when it has some that no
+    one took: :meth:`KVCache.take_room`)."""
     if kv.start != 0:
         raise ConfigError(f"a model cache must start at token 0, this one starts at {kv.start}")
     kinds = layer_kinds(config)
     if len(kinds) != kv.num_layers:
         raise ConfigError(f"KV has {kv.num_layers} layers but the model has {len(kinds)}")
-    cache = DynamicCache(config=config)
-    for i, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer:
-            cache.layers[i] = GrowingLayer()
-    for i, (layer, l) in enumerate(zip(cache.layers, kv.layers)):
+    for i, l in enumerate(kv.layers):
         if (l.kind, l.window) != kinds[i]:
             raise ConfigError(f"layer {i} is {l.kind.value}/{l.window}, the model expects {kinds[i]}")
+    cache = _growing(DynamicCache(config=config))
+    room = kv.take_room() if dtype in (None, kv.dtype) else None  # a loader's room, if no one took it
+    for i, (layer, l) in enumerate(zip(cache.layers, kv.layers)):
         k, v = l.k, l.v
         if dtype is not None:
             k, v = k.to(dtype), v.to(dtype)
         if isinstance(layer, GrowingLayer):
             # the layer holds kv's tensors as they are and never writes into them: its first update
-            # copies them once into a buffer with room (update() here would copy them first, 30-90 ms
-            # at 4K tokens on SmolLM2 in fp32, and then again into the buffer)
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k.unsqueeze(0), v.unsqueeze(0)
+            # appends into the loader's room, or copies them once into a buffer with room (update()
+            # here would copy them first, 30-90 ms at 4K tokens on SmolLM2 in fp32, then again)
+            layer.hold(k.unsqueeze(0), v.unsqueeze(0), room[i] if room else None)
         else:  # update() keeps the last window-1 tokens of sliding layers and sets cumulative_length = T
             layer.update(k.unsqueeze(0), v.unsqueeze(0))  # type: ignore[union-attr]  # transformers' layer union
     return cache

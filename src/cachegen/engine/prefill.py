@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cachegen.engine.hf_cache import finish_recording, layer_kinds, recording_cache, to_transformers
+from cachegen.engine.hf_cache import GrowingLayer, finish_recording, layer_kinds, recording_cache, to_transformers
 from cachegen.errors import ConfigError
 from cachegen.kv import KVCache, KVLayer
 from cachegen.progress import bar
@@ -34,8 +34,14 @@ class Decoder:
         self.start = 0  # a model cache starts at token 0
         self.length = prefix.end if prefix is not None else 0
         if prefix is not None:
-            for layer, l in zip(self.cache.layers, prefix.layers):
-                layer.update(l.k.unsqueeze(0).to(model.dtype), l.v.unsqueeze(0).to(model.dtype))  # type: ignore[union-attr]  # transformers' layer union
+            room = prefix.take_room() if prefix.dtype == model.dtype else None  # a loader's, if no one took it
+            for i, (layer, l) in enumerate(zip(self.cache.layers, prefix.layers)):
+                k, v = l.k.unsqueeze(0).to(model.dtype), l.v.unsqueeze(0).to(model.dtype)
+                if isinstance(layer, GrowingLayer):
+                    # no copy here: the first step appends into the room, or copies once into a buffer
+                    layer.hold(k, v, room[i] if room else None)
+                else:  # a recording sliding layer keeps a copy of every token
+                    layer.update(k, v)  # type: ignore[union-attr]  # transformers' layer union
 
     @torch.inference_mode()
     def feed(
@@ -50,6 +56,9 @@ class Decoder:
         Runs in steps of ``step`` tokens (bounded memory, a progress bar, a
         cancellation point between steps: ``cancelled()`` true stops early)."""
         ids = _ids(tokens)
+        for layer in self.cache.layers:
+            if isinstance(layer, GrowingLayer):
+                layer.reserve(self.length + ids.shape[1])  # one copy for the whole feed, not one per step
         logits = None
         with bar(ids.shape[1], "prefill", enabled=progress) as pb:
             for a in range(0, ids.shape[1], step):

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cachegen.errors import ConfigError, CorruptChunk, LoaderError
-from cachegen.kv import KVCache
+from cachegen.kv import ROOM_TOKENS, KVCache
 from cachegen.store.url import redact
 from cachegen.stream.compute_rates import ComputeRates, cpu_timed, decoder_families, thread_cpu_clock
 from cachegen.stream.costs import TEXT, CostModel
@@ -474,7 +474,10 @@ class _Cache:
     (its layout; ``dtype``, else its dtype); each chunk's decode or recompute writes its range.
 
     Why: joining the decoded chunks at the end was a copy of the whole context after the last
-    decode (time the plan had to keep back from the deadline) and twice its memory at the peak."""
+    decode (time the plan had to keep back from the deadline) and twice its memory at the peak.
+    Its full-attention layers have :data:`~cachegen.kv.ROOM_TOKENS` of room after the prefix, which
+    the decoding session that takes the result appends into (:meth:`KVCache.take_room`): its first
+    step then copies nothing, where it used to copy the whole cache."""
 
     def __init__(self, num_tokens: int, dtype: torch.dtype | None):
         self.num_tokens, self.dtype = num_tokens, dtype
@@ -482,7 +485,7 @@ class _Cache:
 
     def place(self, part: KVCache) -> None:
         if self.kv is None:
-            self.kv = KVCache.allocate(part, self.num_tokens, dtype=self.dtype or part.dtype)
+            self.kv = KVCache.allocate(part, self.num_tokens, dtype=self.dtype or part.dtype, room_tokens=ROOM_TOKENS)
         self.kv.write(part)
 
     def prefix(self, end: int) -> KVCache | None:
@@ -505,7 +508,7 @@ class _Cache:
         if like is None:
             self.place(loader.decode(data, ref, None))
             return
-        kv = KVCache.allocate(like, self.num_tokens, dtype=self.dtype or like.dtype)
+        kv = KVCache.allocate(like, self.num_tokens, dtype=self.dtype or like.dtype, room_tokens=ROOM_TOKENS)
         loader.decode_into(data, ref, kv.slice(ref.start, ref.end))
         self.kv = kv  # once the chunk decoded: a chunk that fails leaves no cache of its layout
 
