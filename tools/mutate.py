@@ -397,23 +397,24 @@ _RANS_EQUIVALENT = {
     "interleaved.x_decode_interleaved_many__mutmut_80": "pad words are read only by a stream already past its last"
     " word, which decode_lanes refuses whatever they hold",
     "interleaved.x_decode_interleaved_many__mutmut_83": "one pad word more than decode_lanes can read",
-    # 2026-12-07: the AVX2 variant renumbered _function's, _kernels' and decode_streams' mutants
+    # 2026-12-07: the AVX2 variant renumbered _function's, _kernels' and decode_streams' mutants (and _kernels'
+    # lock-free check for compiled kernels, later, _kernels' again: +3)
     **{f"simd.x__function__mutmut_{i}": _LABEL for i in (61, 62, 107, 108, 109, 110, 112, 113, 114)},
     **{
         f"simd.x__expand_avx2__mutmut_{i}": "a value's name, defined once and read after it: any distinct name is the"
         " same IR"
         for i in (18, 19, 20)
     },
-    "simd.x__kernels__mutmut_7": "the host's features are given explicitly: the CPU name only repeats them",
-    "simd.x__kernels__mutmut_8": "the host's CPU name implies its features",
-    "simd.x__kernels__mutmut_1": "every variant steps at least two streams, so its kernel 2 is compiled with kernel 1",
+    "simd.x__kernels__mutmut_10": "the host's features are given explicitly: the CPU name only repeats them",
+    "simd.x__kernels__mutmut_11": "the host's CPU name implies its features",
+    "simd.x__kernels__mutmut_4": "every variant steps at least two streams, so its kernel 2 is compiled with kernel 1",
     **{
         f"simd.x__kernels__mutmut_{i}": "a function the IR lacks has address 0: kept in _compiled, never returned or"
         " called"
-        for i in (23, 27)
+        for i in (26, 30)
     },
-    "simd.x__kernels__mutmut_9": "opt=2 instead of 3: the same code for this IR, or slower, never other results",
-    "simd.x__kernels__mutmut_32": "without the declared int32, ctypes passes the Python int prec as a C int: the same"
+    "simd.x__kernels__mutmut_12": "opt=2 instead of 3: the same code for this IR, or slower, never other results",
+    "simd.x__kernels__mutmut_35": "without the declared int32, ctypes passes the Python int prec as a C int: the same"
     " 32-bit register on x86-64",
     **{
         f"simd.x_decode_streams__mutmut_{i}": "a stream that ended cleanly decoded again alone: the same symbols and 0"

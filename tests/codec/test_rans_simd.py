@@ -46,6 +46,34 @@ def test_the_kernel_compiles_and_the_process_decodes_with_the_hosts_first_varian
         assert simd.variant() == simd.host_variants()[0]
 
 
+def test_a_compiled_kernel_is_had_without_waiting_for_numbas_compiler_lock(kernel):
+    """Once compiled, a decode takes no lock: another thread compiling with numba (holding its
+    global lock for seconds) must not hold up every decode of the process."""
+    import threading
+
+    from numba.core.compiler_lock import global_compiler_lock
+
+    first = simd._kernels(kernel)
+    held, release, got = threading.Event(), threading.Event(), []
+
+    def compiler() -> None:
+        with global_compiler_lock:
+            held.set()
+            release.wait(30)
+
+    other = threading.Thread(target=compiler)
+    other.start()
+    try:
+        assert held.wait(30)
+        reader = threading.Thread(target=lambda: got.append(simd._kernels(kernel)))
+        reader.start()
+        reader.join(10)
+        assert got == [first]
+    finally:
+        release.set()
+        other.join()
+
+
 def test_the_kernel_compiles_under_numbas_compiler_lock(monkeypatch, kernel):
     """llvmlite is not thread-safe and numba compiles (and loads its cache) through it under its
     global lock: the first decode may compile the kernel in a pool thread while another thread's
@@ -61,6 +89,7 @@ def test_the_kernel_compiles_under_numbas_compiler_lock(monkeypatch, kernel):
 
     monkeypatch.setattr(llvm, "parse_assembly", watched)
     monkeypatch.setattr(simd, "_compiled", {})  # compile again (the module's kernels stay as they were)
+    monkeypatch.setattr(simd, "_ready", {})
     assert sorted(simd._kernels(kernel)) == list(range(1, kernel.group + 1))
     assert simd._kernels(kernel) == simd._kernels(kernel)  # compiled once
     assert held == [True]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from cachegen.kv import KVCache
+from cachegen.kv import ROOM_TOKENS, KVCache
 from cachegen.store import Namespace
 from cachegen.stream import LoaderOptions, StreamingLoader
 from cachegen.stream.costs import TEXT
@@ -36,6 +36,12 @@ def same(a: KVCache, b: KVCache) -> None:
     assert all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in zip(a.layers, b.layers))
 
 
+def has_room(kv: KVCache) -> bool:
+    """Whether the load's cache leaves ROOM_TOKENS after every layer for the decoding session."""
+    room = kv.take_room()
+    return room is not None and all(r is not None and r[0].shape[1] == kv.num_tokens + ROOM_TOKENS for r in room)
+
+
 def test_the_first_chunk_decodes_into_a_cache_allocated_from_its_header(tmp_path):
     codec = LayoutToyCodec()
     model, store, tokens = setup(codec, tmp_path)
@@ -46,6 +52,7 @@ def test_the_first_chunk_decodes_into_a_cache_allocated_from_its_header(tmp_path
         assert not res.faults and res.choices == [level] * 4
         assert codec.calls == ["layout"] + ["into"] * 4  # one header read, no decode of its own
         same(res.kv, want)
+        assert has_room(res.kv)
 
 
 def test_the_cache_allocated_from_the_header_has_the_loaders_dtype(tmp_path):
@@ -72,6 +79,7 @@ def test_without_the_models_values_per_token_the_first_chunk_is_decoded_and_copi
         assert not res.faults
         assert [c for c in codec.calls if c != "layout"] == ["decode"] + ["into"] * 3, vpt
         same(res.kv, want)
+        assert has_room(res.kv)
 
 
 def test_a_first_chunk_that_fails_after_its_header_leaves_no_cache_behind(tmp_path):

@@ -184,6 +184,7 @@ def _variant() -> Variant | None:
 
 _lock = threading.Lock()
 _compiled: dict[tuple[str, int], Callable[..., None]] = {}
+_ready: dict[str, dict[int, Callable[..., None]]] = {}  # by variant name, once compiled
 _engines: list[object] = []  # the JIT engines own the machine code: keep them alive
 
 
@@ -191,7 +192,11 @@ def _kernels(v: Variant) -> dict[int, Callable[..., None]]:
     """Variant ``v``'s kernels by pass size, compiled on first use. Why numba's compiler lock:
     llvmlite's binding layer is not thread-safe, and numba compiles (and loads cached kernels)
     through it under that lock; the first decode can run in a pool thread while another thread's
-    first numba call compiles."""
+    first numba call compiles. Once compiled, a decode takes no lock: it would otherwise wait
+    for whatever numba compiles in another thread."""
+    ready = _ready.get(v.name)
+    if ready is not None:
+        return ready
     from numba.core.compiler_lock import global_compiler_lock
 
     with _lock, global_compiler_lock:
@@ -212,7 +217,8 @@ def _kernels(v: Variant) -> dict[int, Callable[..., None]]:
             for k in range(1, v.group + 1):
                 proto = ctypes.CFUNCTYPE(None, *([ptr] * (k + 1)), ctypes.c_int32)
                 _compiled[v.name, k] = proto(engine.get_function_address(f"rans_decode{k}"))
-        return {k: _compiled[v.name, k] for k in range(1, v.group + 1)}
+        ready = _ready[v.name] = {k: _compiled[v.name, k] for k in range(1, v.group + 1)}
+        return ready
 
 
 # -- the IR ------------------------------------------------------------------------------------------------
