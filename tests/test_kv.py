@@ -83,7 +83,8 @@ def test_allocate_with_room_gives_full_layers_as_the_first_tokens_of_longer_buff
         if l.kind == LayerKind.FULL:
             assert r is not None and r[0].shape == (2, 11, 8) and r[1].shape == (2, 11, 8)
             assert l.k.data_ptr() == r[0].data_ptr() and l.v.data_ptr() == r[1].data_ptr()
-            assert torch.equal(r[0][:, :7], l.k)
+            l.k.fill_(1.5)  # the buffer is uninitialised (NaN may compare unequal to itself)
+            assert bool((r[0][:, :7] == 1.5).all())
         else:  # a sliding layer keeps no room (the decoding session keeps its window)
             assert r is None and l.k.is_contiguous()
 
