@@ -12,7 +12,7 @@ tokens, as the streaming loader allocates it (nothing copied); "first step" incl
 SmolLM2 (the embedded default) in fp32, a random-token context, then a 16-token first step and
 ``--steps`` greedy steps, each way in turn for ``--rounds`` rounds, with the CLI's malloc tuning
 (:func:`cachegen.allocator.keep_freed_memory`). Prints best and median seconds of the first step
-and of one later step; both ways must give the same tokens. Quoted in ``hf_cache`` and the README.
+and of one later step; every way must give the same tokens. Quoted in ``hf_cache`` and the README.
 """
 
 from __future__ import annotations

@@ -195,19 +195,25 @@ def to_transformers(kv: KVCache, config, dtype: torch.dtype | None = None) -> Dy
     for i, l in enumerate(kv.layers):
         if (l.kind, l.window) != kinds[i]:
             raise ConfigError(f"layer {i} is {l.kind.value}/{l.window}, the model expects {kinds[i]}")
-    cache = _growing(DynamicCache(config=config))
-    room = kv.take_room() if dtype in (None, kv.dtype) else None  # a loader's room, if no one took it
+    return fill_cache(_growing(DynamicCache(config=config)), kv, dtype)
+
+
+def fill_cache(cache: DynamicCache, kv: KVCache, dtype: torch.dtype | None = None) -> DynamicCache:
+    """``cache`` (empty, one layer per ``kv`` layer) holding ``kv``, cast to ``dtype`` if given: its
+    :class:`GrowingLayer` s hold kv's tensors as they are and never write them (their first update
+    appends into kv's room when no one took it, :meth:`KVCache.take_room`, else copies them once
+    into a buffer with room; ``update()`` here would copy them first, 30-90 ms at 4K tokens on
+    SmolLM2 in fp32, then again); other layers take them through ``update()``, which keeps the
+    last window-1 tokens of a sliding layer (all of a recording one) and sets its length."""
+    room = kv.take_room() if dtype in (None, kv.dtype) else None
     for i, (layer, l) in enumerate(zip(cache.layers, kv.layers)):
-        k, v = l.k, l.v
+        k, v = l.k.unsqueeze(0), l.v.unsqueeze(0)
         if dtype is not None:
             k, v = k.to(dtype), v.to(dtype)
         if isinstance(layer, GrowingLayer):
-            # the layer holds kv's tensors as they are and never writes into them: its first update
-            # appends into the loader's room, or copies them once into a buffer with room (update()
-            # here would copy them first, 30-90 ms at 4K tokens on SmolLM2 in fp32, then again)
-            layer.hold(k.unsqueeze(0), v.unsqueeze(0), room[i] if room else None)
-        else:  # update() keeps the last window-1 tokens of sliding layers and sets cumulative_length = T
-            layer.update(k.unsqueeze(0), v.unsqueeze(0))  # type: ignore[union-attr]  # transformers' layer union
+            layer.hold(k, v, room[i] if room else None)
+        else:
+            layer.update(k, v)  # type: ignore[union-attr]  # transformers' layer union
     return cache
 
 

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from cachegen.engine.hf_cache import GrowingLayer, finish_recording, layer_kinds, recording_cache, to_transformers
+from cachegen.engine.hf_cache import (
+    GrowingLayer,
+    fill_cache,
+    finish_recording,
+    layer_kinds,
+    recording_cache,
+    to_transformers,
+)
 from cachegen.errors import ConfigError
 from cachegen.kv import KVCache, KVLayer
 from cachegen.progress import bar
@@ -33,15 +40,8 @@ class Decoder:
         self.cache = recording_cache(model.config)
         self.start = 0  # a model cache starts at token 0
         self.length = prefix.end if prefix is not None else 0
-        if prefix is not None:
-            room = prefix.take_room() if prefix.dtype == model.dtype else None  # a loader's, if no one took it
-            for i, (layer, l) in enumerate(zip(self.cache.layers, prefix.layers)):
-                k, v = l.k.unsqueeze(0).to(model.dtype), l.v.unsqueeze(0).to(model.dtype)
-                if isinstance(layer, GrowingLayer):
-                    # no copy here: the first step appends into the room, or copies once into a buffer
-                    layer.hold(k, v, room[i] if room else None)
-                else:  # a recording sliding layer keeps a copy of every token
-                    layer.update(k, v)  # type: ignore[union-attr]  # transformers' layer union
+        if prefix is not None:  # no copy here: the first step appends into its room, or copies it once
+            fill_cache(self.cache, prefix, model.dtype)
 
     @torch.inference_mode()
     def feed(
